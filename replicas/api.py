@@ -1,0 +1,218 @@
+"""Request and response schemas shared by the engine, the router, the client and the provider.
+
+Imports neither torch nor vLLM, so the router and the inspect provider stay light. Requests are
+accepted as these models or as plain dicts (`GenerateRequest.model_validate`); arrays as numpy
+arrays, nested lists or the `{"dtype", "shape", "data"}` encoding of `replicas.arrays`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from replicas import arrays
+from replicas.hooks import resolve_hook
+
+
+def _to_float_array(value: Any) -> np.ndarray:
+    if arrays.is_encoded_array(value):
+        value = arrays.from_raw(value)
+    try:
+        array = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"expected an array of numbers: {exc}") from None
+    if array.ndim not in (1, 2) or array.size == 0:
+        raise ValueError(f"expected a non-empty 1-D or 2-D array, got shape {list(array.shape)}")
+    if not np.isfinite(array).all():
+        raise ValueError("array contains NaN or infinite values; only finite numbers are allowed")
+    return array
+
+
+FloatArray = Annotated[
+    np.ndarray,
+    BeforeValidator(_to_float_array),
+    PlainSerializer(lambda a: a.tolist(), when_used="json"),
+    WithJsonSchema({"type": "array", "items": {}, "description": "numbers, [d_model] or [rows, d_model]"}),
+]
+
+PositionMode = Literal["all", "prompt", "generated", "last_prompt"]
+Positions = Union[PositionMode, list[int]]
+"""Which token positions: a mode, or absolute indices (negative count back from the prompt's end)."""
+
+_STRICT = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+class CaptureSpec(BaseModel):
+    """What to record from one request's forward passes."""
+
+    model_config = _STRICT
+
+    hooks: list[str] = Field(min_length=1, description="Hook names (TransformerLens, Bridge or '<i>:<kind>').")
+    positions: Positions = Field("all", description="Positions to keep: all | prompt | generated | last_prompt | [indices].")
+    reduce: Literal["none", "mean"] = Field("none", description="'mean' averages the kept positions on the device.")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="dtype of the returned arrays.")
+
+    @field_validator("hooks")
+    @classmethod
+    def _known_hooks(cls, hooks: list[str]) -> list[str]:
+        for name in hooks:
+            resolve_hook(name)
+        if len(set(hooks)) != len(hooks):
+            raise ValueError("hooks lists a name twice")
+        return hooks
+
+
+class Intervention(BaseModel):
+    """One edit of the residual stream or a sublayer output, applied inside the forward pass.
+
+    `add`: h + scale * vector (with norm_match, the vector is rescaled to scale * |h| per row);
+    `scale`: h * factor (0 ablates); `set`: replace rows with `values` (one row per selected
+    position, or one row broadcast); `project_out`: h - (h . v) v for the unit vector v along
+    `vector`.
+    """
+
+    model_config = _STRICT
+
+    hook: str = Field(description="Hook name; the final norm cannot be edited.")
+    op: Literal["add", "scale", "set", "project_out"]
+    vector: FloatArray | None = Field(None, description="[d_model], for add and project_out.")
+    scale: float = Field(1.0, description="Multiplier of `vector` for add.")
+    norm_match: bool = Field(False, description="add: scale the unit vector by |row| * scale.")
+    factor: float | None = Field(None, description="Multiplier for scale.")
+    values: FloatArray | None = Field(None, description="set: [n_positions, d_model] or [d_model].")
+    positions: Positions = "all"
+    phase: Literal["prefill", "decode", "all"] = "all"
+
+    @field_validator("hook")
+    @classmethod
+    def _editable_hook(cls, hook: str) -> str:
+        if resolve_hook(hook).kind == "ln_final":
+            raise ValueError(f"hook {hook!r} cannot be edited; edit a layer's hook instead")
+        return hook
+
+    @model_validator(mode="after")
+    def _fields_match_op(self) -> "Intervention":
+        needs = {"add": "vector", "project_out": "vector", "scale": "factor", "set": "values"}[self.op]
+        if getattr(self, needs) is None:
+            raise ValueError(f"op {self.op!r} needs field {needs!r}")
+        for name in ("vector", "factor", "values"):
+            if name != needs and getattr(self, name) is not None:
+                raise ValueError(f"field {name!r} does not apply to op {self.op!r} (it takes {needs!r})")
+        if self.vector is not None and self.vector.ndim != 1:
+            raise ValueError(f"vector must be 1-D [d_model], got shape {list(self.vector.shape)}")
+        if self.op == "project_out" and not np.linalg.norm(self.vector) > 0:
+            raise ValueError("project_out needs a non-zero vector")
+        if self.factor is not None and not np.isfinite(self.factor):
+            raise ValueError("factor must be a finite number")
+        if not np.isfinite(self.scale):
+            raise ValueError("scale must be a finite number")
+        return self
+
+
+class LogitsSpec(BaseModel):
+    """Full-vocabulary float32 logits at the given positions."""
+
+    model_config = _STRICT
+    positions: Positions = "last_prompt"
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class GenerateRequest(BaseModel):
+    """One prompt: sampling passed through to vLLM, plus captures, edits and logits."""
+
+    model_config = _STRICT
+
+    prompt: str | list[int] | list[ChatMessage] = Field(
+        description="Text, token ids, or chat messages (rendered with the model's chat template)."
+    )
+    max_tokens: int = Field(16, ge=1, description="Tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    seed: int | None = None
+    stop: list[str] | None = None
+    n: int = Field(1, ge=1, le=16, description="Completions; captures and edits follow the first.")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Top-k logprobs per generated token.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    ignore_eos: bool = False
+    capture: CaptureSpec | None = None
+    interventions: list[Intervention] = Field(default_factory=list)
+    logits: LogitsSpec | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty_prompt(cls, prompt: Any) -> Any:
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty")
+        if isinstance(prompt, list) and isinstance(prompt[0], int) and min(prompt) < 0:
+            raise ValueError("prompt token ids must be non-negative")
+        return prompt
+
+
+class Choice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class GenerateResult(BaseModel):
+    """What one request produced. `activations[hook]` is [n_positions, d_model] (or [d_model]
+    when reduced); `positions` are the absolute token positions of its rows and
+    `capture_token_ids` the tokens at them. The last sampled token is never fed through the
+    model, so generated rows stop one short of the last generated token."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    choices: list[Choice]
+    activations: dict[str, np.ndarray] = Field(default_factory=dict)
+    positions: list[int] = Field(default_factory=list)
+    capture_token_ids: list[int] = Field(default_factory=list)
+    logits: np.ndarray | None = None
+    logits_positions: list[int] = Field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    replica: str | None = None
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(a.nbytes for a in self.activations.values())
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    architecture: str
+    n_layers: int
+    d_model: int
+    d_vocab: int
+    max_model_len: int
+    dtype: str
+    hook_names: list[str]
+    armed_kinds: list[str]
+
+
+def as_request(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:
+    return request if isinstance(request, GenerateRequest) else GenerateRequest.model_validate(request)

@@ -1,0 +1,72 @@
+"""The one format arrays travel in outside Python objects: dtype name, shape and raw bytes.
+
+Used between the vLLM worker and the replica (msgpack carries bytes natively, never pickle), in
+HTTP JSON bodies and in inspect logs (base64 of the same bytes: TransformerLens's
+`{"data", "dtype", "shape"}` wire format). bfloat16 arrays are numpy arrays of `ml_dtypes.bfloat16`.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, TypedDict
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int64": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+}
+
+
+class RawArray(TypedDict):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class Base64Array(TypedDict):
+    dtype: str
+    shape: list[int]
+    data: str
+
+
+def dtype_name(array: np.ndarray) -> str:
+    for name, dtype in DTYPES.items():
+        if array.dtype == dtype:
+            return name
+    raise TypeError(f"array dtype {array.dtype} cannot travel; allowed: {', '.join(DTYPES)}")
+
+
+def to_raw(array: np.ndarray) -> RawArray:
+    array = np.ascontiguousarray(array)
+    return {"dtype": dtype_name(array), "shape": list(array.shape), "data": array.tobytes()}
+
+
+def from_raw(raw: RawArray | dict[str, Any]) -> np.ndarray:
+    dtype = DTYPES.get(raw["dtype"])
+    if dtype is None:
+        raise ValueError(f"unknown array dtype {raw['dtype']!r}; allowed: {', '.join(DTYPES)}")
+    data = raw["data"]
+    if isinstance(data, str):
+        data = base64.b64decode(data, validate=True)
+    shape = tuple(int(n) for n in raw["shape"])
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(
+            f"array data has {len(data)} bytes but dtype {raw['dtype']} and shape {list(shape)} "
+            f"need {expected}"
+        )
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def to_base64(array: np.ndarray) -> Base64Array:
+    raw = to_raw(array)
+    return {"dtype": raw["dtype"], "shape": raw["shape"], "data": base64.b64encode(raw["data"]).decode()}
+
+
+def is_encoded_array(value: Any) -> bool:
+    return isinstance(value, dict) and {"dtype", "shape", "data"} <= value.keys()

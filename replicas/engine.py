@@ -1,0 +1,293 @@
+"""`CaptureEngine`: one vLLM `AsyncLLM` with the capture worker and capserve's locked settings.
+
+    engine = await CaptureEngine.start(EngineConfig(model=path, dtype="float32"))
+    result = await engine.generate({"prompt": "Hello", "max_tokens": 4,
+                                    "capture": {"hooks": ["blocks.1.hook_resid_post"]}})
+
+Requests are validated and tokenized here, before anything reaches vLLM; what depends on the
+model (layers, width, armed kinds, byte cap, prompt length) fails the one request with an
+`InvalidRequestError` that names the field. The request's capture plan rides on
+`SamplingParams.extra_args`, so no RPC precedes it; one RPC after it finishes takes its rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from replicas import arrays
+from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
+from replicas.errors import CaptureFailedError, InvalidRequestError
+from replicas.hooks import LAYER_KINDS, LayerKind, served_hook_names
+from replicas.plans import PLAN_KEY, build_wire_plan
+
+LOCKED_SETTINGS: dict[str, Any] = {
+    "tensor_parallel_size": 1,  # one replica = one GPU; the worker bookkeeping assumes one rank
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "enable_prefix_caching": False,  # cached prefixes skip the forward, so their rows are never seen
+    "worker_cls": "replicas.worker.CaptureWorker",
+    "worker_extension_cls": "",
+    "additional_config": None,  # carries capserve's worker options
+}
+
+
+class EngineConfig(BaseModel):
+    """Settings of one replica's engine. `engine_kwargs` passes any other vLLM `AsyncEngineArgs`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF model folder or name.")
+    tokenizer: str | None = None
+    dtype: str = Field("auto", description="Model dtype: auto, float32, bfloat16, float16.")
+    max_model_len: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size; CPU default 1 GiB.")
+    enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA graphs on GPU.")
+    load_format: str = "auto"
+    seed: int = 0
+    armed_kinds: list[LayerKind] = Field(default_factory=lambda: list(LAYER_KINDS), description="Hook kinds installed on every layer.")
+    edit_stages: int = Field(2, ge=0, le=8, description="Edits one request may stack at one hook.")
+    edit_slots: int = Field(64, ge=1, description="Requests with interventions running at once.")
+    max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def engine_args(self) -> dict[str, Any]:
+        for key in LOCKED_SETTINGS:
+            if key in self.engine_kwargs:
+                raise ValueError(
+                    f"engine_kwargs.{key} cannot be set: capserve locks {key}={LOCKED_SETTINGS[key]!r} "
+                    f"(tensor/pipeline parallel 1, prefix caching off, capserve's own worker)"
+                )
+        from replicas import _vllm
+
+        on_cpu = _vllm.is_cpu_platform()
+        eager = self.enforce_eager if self.enforce_eager is not None else on_cpu
+        args: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.tokenizer,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "enforce_eager": eager,
+            "load_format": self.load_format,
+            **{k: v for k, v in self._optional().items() if v is not None},
+            **self.engine_kwargs,
+            **LOCKED_SETTINGS,
+        }
+        if on_cpu and self.kv_cache_memory_bytes is None:
+            args["kv_cache_memory_bytes"] = 1 << 30
+        args["additional_config"] = {
+            "capserve": {
+                "armed_kinds": list(self.armed_kinds),
+                "edit_stages": self.edit_stages,
+                "edit_slots": self.edit_slots,
+                "eager": eager,
+            }
+        }
+        return args
+
+    def _optional(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+        }
+
+
+class CaptureEngine:
+    def __init__(self, llm: Any, config: EngineConfig, info: ModelInfo, name: str | None = None):
+        self.llm = llm
+        self.config = config
+        self._info = info
+        self.name = name
+        self.tokenizer = llm.get_tokenizer()
+        self._edit_slots = asyncio.Semaphore(config.edit_slots)
+
+    @classmethod
+    async def start(cls, config: EngineConfig | dict[str, Any], name: str | None = None) -> "CaptureEngine":
+        config = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
+        # The GPU default runner (V2) lays out the batch differently; capserve reads V1's layout.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
+        return cls(llm, config, _model_info(llm, config), name)
+
+    async def info(self) -> ModelInfo:
+        return self._info
+
+    async def check_health(self) -> dict[str, Any]:
+        """Raise if the engine is dead or does not answer; otherwise the worker's counters."""
+        await self.llm.check_health()
+        stats = await self.llm.collective_rpc("capserve_stats", timeout=30)
+        return stats[0]
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()
+
+    # ------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
+        request = _validated(request)
+        prompt_ids = self._prompt_token_ids(request)
+        key = uuid.uuid4().hex
+        plan = self._plan(key, request, prompt_ids)
+        params = self._sampling_params(request, plan)
+        if request.interventions:
+            async with self._edit_slots:
+                return await self._run(key, request, prompt_ids, params, plan is not None)
+        return await self._run(key, request, prompt_ids, params, plan is not None)
+
+    async def _run(self, key: str, request: GenerateRequest, prompt_ids: list[int], params: Any, planned: bool) -> GenerateResult:
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        try:
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=key):
+                final = output
+        finally:
+            captured = await asyncio.shield(self._take(key)) if planned else []
+        return self._result(key, request, final, captured)
+
+    async def _take(self, key: str) -> list[dict[str, Any]]:
+        per_worker = await self.llm.collective_rpc("capserve_take", args=(key,))
+        return per_worker[0]
+
+    def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt[0], int):
+            ids = list(prompt)  # type: ignore[arg-type]
+            if max(ids) >= self._info.d_vocab:
+                raise InvalidRequestError(f"prompt: token id {max(ids)} is outside the vocabulary (0..{self._info.d_vocab - 1})")
+        else:
+            messages = [m.model_dump() for m in prompt]  # type: ignore[union-attr]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        limit = self._info.max_model_len
+        if len(ids) + request.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt: {len(ids)} prompt tokens + max_tokens {request.max_tokens} exceed the model's "
+                f"max_model_len={limit}; shorten the prompt or lower max_tokens"
+            )
+        return ids
+
+    def _plan(self, key: str, request: GenerateRequest, prompt_ids: list[int]) -> dict[str, Any] | None:
+        try:
+            return build_wire_plan(
+                key,
+                request,
+                prompt_len=len(prompt_ids),
+                n_layers=self._info.n_layers,
+                d_model=self._info.d_model,
+                armed_kinds=set(self.config.armed_kinds),
+                edit_stages=self.config.edit_stages,
+                max_capture_bytes=self.config.max_capture_bytes,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    def _sampling_params(self, request: GenerateRequest, plan: dict[str, Any] | None) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=request.n,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            stop=request.stop,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            ignore_eos=request.ignore_eos,
+            extra_args={PLAN_KEY: plan} if plan else None,
+        )
+
+    def _result(self, key: str, request: GenerateRequest, final: Any, captured: list[dict[str, Any]]) -> GenerateResult:
+        choices = [
+            Choice(
+                text=c.text,
+                token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason,
+                logprobs=_logprobs(c.logprobs),
+            )
+            for c in sorted(final.outputs, key=lambda c: c.index)
+        ]
+        prompt_ids = list(final.prompt_token_ids)
+        result = GenerateResult(
+            request_id=key,
+            text=choices[0].text,
+            token_ids=choices[0].token_ids,
+            prompt_token_ids=prompt_ids,
+            finish_reason=choices[0].finish_reason,
+            choices=choices,
+            logprobs=choices[0].logprobs,
+            prompt_logprobs=[_logprob_row(row) for row in final.prompt_logprobs] if final.prompt_logprobs else None,
+            replica=self.name,
+        )
+        if not captured:
+            return result
+        first = captured[0]
+        if first["error"]:
+            raise CaptureFailedError(first["error"])
+        sequence = prompt_ids + choices[0].token_ids
+        result.positions = first["positions"]
+        result.capture_token_ids = [sequence[p] for p in first["positions"]]
+        result.activations = {name: arrays.from_raw(raw) for name, raw in first["activations"].items()}
+        if first["logits"] is not None:
+            result.logits = arrays.from_raw(first["logits"])
+            result.logits_positions = first["logits_positions"]
+        return result
+
+
+def _validated(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:
+    try:
+        return as_request(request)
+    except ValidationError as exc:
+        raise InvalidRequestError(_validation_message(exc)) from None
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "request"
+        parts.append(f"{where}: {error['msg']}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def _logprob_row(row: dict[int, Any] | None) -> dict[int, float] | None:
+    return None if row is None else {int(t): float(lp.logprob) for t, lp in row.items()}
+
+
+def _logprobs(rows: Any) -> list[dict[int, float]] | None:
+    return None if rows is None else [_logprob_row(row) or {} for row in rows]
+
+
+def _model_info(llm: Any, config: EngineConfig) -> ModelInfo:
+    model_config = llm.model_config
+    hf = model_config.hf_config
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    n_layers = int(model_config.get_num_layers(llm.vllm_config.parallel_config))
+    return ModelInfo(
+        model=config.model,
+        architecture=(hf.architectures or ["unknown"])[0],
+        n_layers=n_layers,
+        d_model=int(text.hidden_size),
+        d_vocab=int(model_config.get_vocab_size()),
+        max_model_len=int(model_config.max_model_len),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        hook_names=served_hook_names(n_layers, config.armed_kinds),
+        armed_kinds=list(config.armed_kinds),
+    )
+

@@ -1,0 +1,98 @@
+"""Hook-point names: TransformerLens names, TransformerBridge aliases and wire keys.
+
+Every accepted spelling resolves to a `HookPoint(layer, kind)`. The canonical names are the
+HookedTransformer ones SAELens uses (`blocks.{i}.hook_resid_post`); the TransformerBridge names
+(`blocks.{i}.hook_out`) and the compact wire keys (`"{i}:resid_post"`) are aliases. Results are
+keyed by the name the caller used, so aliases are echoed back as given.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Literal, NamedTuple, get_args
+
+LayerKind = Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
+HookKind = Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "ln_final"]
+LAYER_KINDS: tuple[LayerKind, ...] = get_args(LayerKind)
+FINAL_NORM_HOOK = "ln_final.hook_normalized"
+
+_CANONICAL_SUFFIX = {
+    "hook_resid_pre": "resid_pre",
+    "hook_resid_mid": "resid_mid",
+    "hook_resid_post": "resid_post",
+    "hook_attn_out": "attn_out",
+    "hook_mlp_out": "mlp_out",
+}
+_BRIDGE_SUFFIX = {
+    "hook_in": "resid_pre",
+    "ln2.hook_in": "resid_mid",
+    "hook_out": "resid_post",
+    "attn.hook_out": "attn_out",
+    "mlp.hook_out": "mlp_out",
+}
+_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_WIRE_KEY = re.compile(r"^(\d+):([a-z_]+)$")
+
+
+class HookPoint(NamedTuple):
+    """One capture or intervention site; `layer` is None for the final norm."""
+
+    layer: int | None
+    kind: HookKind
+
+    @property
+    def canonical_name(self) -> str:
+        if self.kind == "ln_final":
+            return FINAL_NORM_HOOK
+        return f"blocks.{self.layer}.hook_{self.kind}"
+
+    @property
+    def wire_key(self) -> str:
+        """TransformerLens's `"<layer>:<kind>"` key; the final norm keeps its full name."""
+        if self.kind == "ln_final":
+            return FINAL_NORM_HOOK
+        return f"{self.layer}:{self.kind}"
+
+
+class HookNameError(ValueError):
+    """A hook name that is not served; the message lists the accepted forms."""
+
+
+def resolve_hook(name: str, n_layers: int | None = None) -> HookPoint:
+    """Resolve any accepted spelling to a HookPoint, checking the layer range when known."""
+    point = _parse(name)
+    if point is None:
+        raise HookNameError(
+            f"hook {name!r} is not a known hook name; use blocks.<i>.hook_<kind> with kind in "
+            f"{', '.join(LAYER_KINDS)} (TransformerLens names), the TransformerBridge aliases "
+            f"blocks.<i>.hook_in / ln2.hook_in / hook_out / attn.hook_out / mlp.hook_out, "
+            f"'<i>:<kind>' wire keys, or {FINAL_NORM_HOOK!r}"
+        )
+    if n_layers is not None and point.layer is not None and not 0 <= point.layer < n_layers:
+        raise HookNameError(
+            f"hook {name!r}: layer {point.layer} is out of range; this model has layers "
+            f"0..{n_layers - 1}"
+        )
+    return point
+
+
+def _parse(name: str) -> HookPoint | None:
+    if name == FINAL_NORM_HOOK:
+        return HookPoint(None, "ln_final")
+    wire = _WIRE_KEY.match(name)
+    if wire:
+        kind = wire.group(2)
+        return HookPoint(int(wire.group(1)), kind) if kind in LAYER_KINDS else None  # type: ignore[arg-type]
+    block = _BLOCK_NAME.match(name)
+    if block:
+        suffix = block.group(2)
+        kind = _CANONICAL_SUFFIX.get(suffix) or _BRIDGE_SUFFIX.get(suffix)
+        return HookPoint(int(block.group(1)), kind) if kind else None  # type: ignore[arg-type]
+    return None
+
+
+def served_hook_names(n_layers: int, kinds: Iterable[str] = LAYER_KINDS) -> list[str]:
+    """Canonical names of every hook point served on `n_layers` layers with these kinds armed."""
+    armed = set(kinds)
+    names = [HookPoint(i, k).canonical_name for i in range(n_layers) for k in LAYER_KINDS if k in armed]
+    return names + [FINAL_NORM_HOOK]

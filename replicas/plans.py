@@ -1,0 +1,279 @@
+"""What one request wants from the worker, in the form the worker reads each step.
+
+The engine validates a `GenerateRequest` and turns it into a `WirePlan` (plain dicts, lists and
+bytes, so it rides on `SamplingParams.extra_args` through msgpack); the worker rebuilds a
+`RequestPlan` from it once, the first time the request appears in a step. Selecting rows is pure
+numpy on the positions of the step's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from replicas import arrays
+from replicas.api import GenerateRequest, Positions
+from replicas.errors import InvalidRequestError
+from replicas.hooks import HookPoint, resolve_hook
+
+PLAN_KEY = "capserve"
+WirePlan = dict[str, Any]
+
+
+class PlanError(InvalidRequestError):
+    """A request that cannot be served as asked; the message names the field."""
+
+
+# ---------------------------------------------------------------- positions
+
+
+def position_mask(spec: Positions, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Which of `positions` (absolute token positions) the spec selects."""
+    if spec == "all":
+        return np.ones(len(positions), dtype=bool)
+    if spec == "prompt":
+        return positions < prompt_len
+    if spec == "generated":
+        return positions >= prompt_len
+    if spec == "last_prompt":
+        return positions == prompt_len - 1
+    wanted = absolute_indices(spec, prompt_len)
+    return np.isin(positions, wanted)
+
+
+def absolute_indices(indices: list[int], prompt_len: int) -> np.ndarray:
+    """Explicit indices; negative ones count back from the end of the prompt."""
+    return np.array([i + prompt_len if i < 0 else i for i in indices], dtype=np.int64)
+
+
+def value_rows(spec: Positions, positions: np.ndarray, prompt_len: int, n_values: int) -> np.ndarray:
+    """Row of a `set` intervention's values for each selected position (broadcast when 1 row)."""
+    if n_values == 1:
+        return np.zeros(len(positions), dtype=np.int64)
+    if spec in ("all", "prompt"):
+        return positions.astype(np.int64)
+    if spec == "generated":
+        return (positions - prompt_len).astype(np.int64)
+    if spec == "last_prompt":
+        return np.zeros(len(positions), dtype=np.int64)
+    wanted = absolute_indices(spec, prompt_len)  # type: ignore[arg-type]
+    order = {int(p): i for i, p in enumerate(wanted)}
+    return np.array([order[int(p)] for p in positions], dtype=np.int64)
+
+
+def count_positions(spec: Positions, prompt_len: int, max_tokens: int) -> int:
+    """Most rows a spec can select: the sequence fed through the model is prompt + max_tokens - 1."""
+    fed = prompt_len + max_tokens - 1
+    if spec == "all":
+        return fed
+    if spec == "prompt":
+        return prompt_len
+    if spec == "generated":
+        return max_tokens - 1
+    if spec == "last_prompt":
+        return 1
+    return len(spec)
+
+
+def check_positions(field_name: str, spec: Positions, prompt_len: int, max_tokens: int) -> None:
+    if isinstance(spec, str):
+        return
+    fed = prompt_len + max_tokens - 1
+    for index in spec:
+        absolute = index + prompt_len if index < 0 else index
+        if not 0 <= absolute < fed:
+            raise PlanError(
+                f"{field_name}: index {index} is outside the sequence; allowed are "
+                f"-{prompt_len}..{fed - 1} (prompt of {prompt_len} tokens, the last of "
+                f"{max_tokens} generated tokens is never fed through the model)"
+            )
+    if len(set(absolute_indices(spec, prompt_len).tolist())) != len(spec):
+        raise PlanError(f"{field_name}: the same position is listed twice")
+
+
+# ---------------------------------------------------------------- engine side: request -> wire plan
+
+
+def build_wire_plan(
+    key: str,
+    request: GenerateRequest,
+    *,
+    prompt_len: int,
+    n_layers: int,
+    d_model: int,
+    armed_kinds: set[str],
+    edit_stages: int,
+    max_capture_bytes: int,
+) -> WirePlan | None:
+    """Validate everything that depends on the model and the prompt; None when nothing is asked."""
+    capture, logits = request.capture, request.logits
+    if capture is None and logits is None and not request.interventions:
+        return None
+    plan: WirePlan = {"key": key, "prompt_len": prompt_len}
+    if capture is not None:
+        points = [_armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds) for i, name in enumerate(capture.hooks)]
+        check_positions("capture.positions", capture.positions, prompt_len, request.max_tokens)
+        rows = 1 if capture.reduce == "mean" else count_positions(capture.positions, prompt_len, request.max_tokens)
+        itemsize = 4 if capture.dtype == "float32" else 2
+        size = rows * d_model * itemsize * len(points)
+        if size > max_capture_bytes:
+            raise PlanError(
+                f"capture: {len(points)} hooks x {rows} positions x {d_model} x {itemsize} bytes = "
+                f"{size} bytes, over the replica's max_capture_bytes={max_capture_bytes}; capture "
+                f"fewer hooks or positions, use reduce='mean' or dtype='bfloat16'"
+            )
+        plan["capture"] = {
+            "sites": [[p.layer, p.kind, name] for p, name in zip(points, capture.hooks)],
+            "positions": capture.positions,
+            "reduce": capture.reduce,
+            "dtype": capture.dtype,
+        }
+    if logits is not None:
+        check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
+        plan["logits"] = {"positions": logits.positions}
+    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, armed_kinds, edit_stages)
+    return plan
+
+
+def _armed_point(field_name: str, name: str, n_layers: int, armed_kinds: set[str]) -> HookPoint:
+    try:
+        point = resolve_hook(name, n_layers)
+    except ValueError as exc:
+        raise PlanError(f"{field_name}: {exc}") from None
+    if point.kind != "ln_final" and point.kind not in armed_kinds:
+        raise PlanError(
+            f"{field_name}: hook {name!r} is of kind {point.kind!r}, which this deployment has not "
+            f"armed; armed kinds: {sorted(armed_kinds)} (engine option armed_kinds)"
+        )
+    return point
+
+
+def _wire_edits(
+    request: GenerateRequest, prompt_len: int, n_layers: int, d_model: int, armed_kinds: set[str], edit_stages: int
+) -> list[dict[str, Any]]:
+    edits: list[dict[str, Any]] = []
+    stages: dict[HookPoint, int] = {}
+    for i, edit in enumerate(request.interventions):
+        where = f"interventions[{i}]"
+        point = _armed_point(f"{where}.hook", edit.hook, n_layers, armed_kinds)
+        check_positions(f"{where}.positions", edit.positions, prompt_len, request.max_tokens)
+        for name in ("vector", "values"):
+            array = getattr(edit, name)
+            if array is not None and array.shape[-1] != d_model:
+                raise PlanError(f"{where}.{name}: width {array.shape[-1]} does not match d_model={d_model}")
+        if edit.values is not None and edit.values.ndim == 2 and edit.values.shape[0] != 1:
+            needed = count_positions(edit.positions, prompt_len, request.max_tokens)
+            if edit.positions in ("all", "generated"):
+                raise PlanError(
+                    f"{where}.values: positions={edit.positions!r} covers generated tokens, so values "
+                    f"must be one row [d_model] broadcast to every position (got {edit.values.shape[0]} rows)"
+                )
+            if edit.values.shape[0] != needed:
+                raise PlanError(
+                    f"{where}.values: {edit.values.shape[0]} rows but positions={edit.positions!r} "
+                    f"selects {needed}; give one row per position or a single row to broadcast"
+                )
+        stage = stages.get(point, 0)
+        if stage >= edit_stages:
+            raise PlanError(
+                f"{where}: more than {edit_stages} edits at hook {edit.hook!r}; this replica applies at "
+                f"most {edit_stages} per hook (engine option edit_stages)"
+            )
+        stages[point] = stage + 1
+        edits.append(
+            {
+                "layer": point.layer,
+                "kind": point.kind,
+                "stage": stage,
+                "op": edit.op,
+                "vector": None if edit.vector is None else arrays.to_raw(edit.vector),
+                "values": None if edit.values is None else arrays.to_raw(np.atleast_2d(edit.values)),
+                "scale": edit.scale,
+                "norm_match": edit.norm_match,
+                "factor": edit.factor,
+                "positions": edit.positions,
+                "phase": edit.phase,
+            }
+        )
+    return edits
+
+
+# ---------------------------------------------------------------- worker side
+
+
+@dataclass
+class EditPlan:
+    site: tuple[int | None, str]
+    stage: int
+    op: str
+    positions: Positions
+    phase: str
+    direction: np.ndarray | None = None  # unit vector for project_out; raw vector for add
+    values: np.ndarray | None = None
+    scale: float = 1.0
+    norm_match: bool = False
+    factor: float = 1.0
+    slot: int = 0  # assigned by the worker
+
+    def row_mask(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        mask = position_mask(self.positions, positions, prompt_len)
+        if self.phase == "prefill":
+            mask &= positions < prompt_len
+        elif self.phase == "decode":
+            mask &= positions >= prompt_len
+        return mask
+
+
+@dataclass
+class CapturePlan:
+    sites: list[tuple[int | None, str, str]]
+    positions: Positions
+    reduce: str
+    dtype: str
+
+
+@dataclass
+class RequestPlan:
+    key: str
+    prompt_len: int
+    capture: CapturePlan | None
+    logits_positions: Positions | None
+    edits: list[EditPlan] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, wire: WirePlan) -> "RequestPlan":
+        capture = wire.get("capture")
+        logits = wire.get("logits")
+        return cls(
+            key=wire["key"],
+            prompt_len=int(wire["prompt_len"]),
+            capture=None if capture is None else CapturePlan(
+                sites=[(layer, kind, name) for layer, kind, name in capture["sites"]],
+                positions=capture["positions"],
+                reduce=capture["reduce"],
+                dtype=capture["dtype"],
+            ),
+            logits_positions=None if logits is None else logits["positions"],
+            edits=[_edit_from_wire(e) for e in wire.get("edits", [])],
+        )
+
+
+def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
+    vector = None if wire["vector"] is None else arrays.from_raw(wire["vector"]).astype(np.float32)
+    if wire["op"] == "project_out" and vector is not None:
+        vector = vector / np.linalg.norm(vector)
+    return EditPlan(
+        site=(wire["layer"], wire["kind"]),
+        stage=int(wire["stage"]),
+        op=wire["op"],
+        positions=wire["positions"],
+        phase=wire["phase"],
+        direction=vector,
+        values=None if wire["values"] is None else arrays.from_raw(wire["values"]).astype(np.float32),
+        scale=float(wire["scale"]),
+        norm_match=bool(wire["norm_match"]),
+        factor=1.0 if wire["factor"] is None else float(wire["factor"]),
+    )
+

