@@ -150,13 +150,15 @@ class CaptureEngine:
     async def _run(self, key: str, request: GenerateRequest, prompt_ids: list[int], params: Any, planned: bool) -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
-        final = None
+        final, completions = None, {}
         try:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=key):
                 final = output
+                # with n > 1 a step's output carries only the completions that advanced in it
+                completions.update((c.index, c) for c in output.outputs)
         finally:
             captured = await asyncio.shield(self._take(key)) if planned else []
-        return self._result(key, request, final, captured)
+        return self._result(key, request, final, [completions[i] for i in sorted(completions)], captured)
 
     async def _take(self, key: str) -> list[dict[str, Any]]:
         per_worker = await self.llm.collective_rpc("capserve_take", args=(key,))
@@ -214,15 +216,12 @@ class CaptureEngine:
             extra_args={PLAN_KEY: plan} if plan else None,
         )
 
-    def _result(self, key: str, request: GenerateRequest, final: Any, captured: list[dict[str, Any]]) -> GenerateResult:
+    def _result(
+        self, key: str, request: GenerateRequest, final: Any, completions: list[Any], captured: list[dict[str, Any]]
+    ) -> GenerateResult:
         choices = [
-            Choice(
-                text=c.text,
-                token_ids=list(c.token_ids),
-                finish_reason=c.finish_reason,
-                logprobs=_logprobs(c.logprobs),
-            )
-            for c in sorted(final.outputs, key=lambda c: c.index)
+            Choice(text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason, logprobs=_logprobs(c.logprobs))
+            for c in completions
         ]
         prompt_ids = list(final.prompt_token_ids)
         result = GenerateResult(

@@ -17,17 +17,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 Arch = Literal["llama", "qwen2", "gpt2"]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 
-# EOS is spelled <|endoftext|> because transformers 5 forces Qwen2Tokenizer for model_type qwen2 and
-# that class adds <|endoftext|> (its default unk) when missing, which would put an id past vocab_size.
+# EOS is spelled <|endoftext|> because transformers 5 forces Qwen2Tokenizer for model_type qwen2,
+# and that class adds <|endoftext|> (its default unk) when missing: an id past vocab_size.
 BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
-VOCAB_TARGET = 500  # deliberately not a multiple of 64, so vLLM's lm_head vocab padding is exercised
+VOCAB_TARGET = 500  # upper bound; the corpus yields ~450, not a multiple of 64 (vLLM pads lm_head)
 
 # ChatML-style; the template adds BOS itself, so callers tokenize its output without special tokens.
 CHAT_TEMPLATE = (
@@ -82,7 +85,7 @@ QWEN2_SPLIT = (
 )
 
 
-def _train_tokenizer(arch: Arch):  # -> transformers.PreTrainedTokenizerFast
+def _train_tokenizer(arch: Arch) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on CORPUS; deterministic so every process gets the same ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers import processors, trainers
@@ -123,11 +126,11 @@ def _train_tokenizer(arch: Arch):  # -> transformers.PreTrainedTokenizerFast
     )
 
 
-def _config(arch: Arch, vocab_size: int, ids: dict[str, int]):  # -> transformers.PretrainedConfig
+def _config(arch: Arch, vocab_size: int, ids: dict[str, int]) -> PretrainedConfig:
     """Per-arch config: d_model 128, 2 heads of 64, 4 layers, d_mlp 256, 512 positions, fp32."""
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
-    common = dict(
+    common: dict = dict(
         vocab_size=vocab_size,
         bos_token_id=ids[BOS],
         eos_token_id=ids[EOS],
@@ -136,10 +139,8 @@ def _config(arch: Arch, vocab_size: int, ids: dict[str, int]):  # -> transformer
         dtype="float32",
     )
     if arch == "gpt2":  # tied embeddings, learned positions, LayerNorm, biases everywhere
-        return GPT2Config(
-            n_embd=128, n_head=2, n_layer=4, n_inner=256, n_positions=512, **common
-        )
-    shape = dict(
+        return GPT2Config(n_embd=128, n_head=2, n_layer=4, n_inner=256, n_positions=512, **common)
+    shape: dict = dict(
         hidden_size=128,
         num_attention_heads=2,
         head_dim=64,

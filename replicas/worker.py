@@ -27,6 +27,7 @@ from replicas.hooks import LAYER_KINDS, HookPoint
 from replicas.plans import PLAN_KEY, EditPlan, RequestPlan, position_mask, value_rows
 from replicas.sites import Site
 
+_CLOSED_KEYS_KEPT = 10_000
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -81,6 +82,7 @@ class _CaptureState:
         self._free_slots = {(id(s), st): list(range(self.edit_slots, 0, -1)) for s in self.sites.values() for st in range(s.edit_stages)}
         self.requests: dict[str, _Captured] = {}  # by vLLM's internal request id
         self.by_key: dict[str, list[str]] = {}
+        self.closed_keys: dict[str, None] = {}  # insertion-ordered set of taken keys
         self._dirty_rows: dict[Site, int] = {}
         self._step: Any = None
         self.steps = 0
@@ -266,6 +268,8 @@ class _CaptureState:
         wire = view.extra_args.get(PLAN_KEY)
         if not wire:
             return None
+        if wire["key"] in self.closed_keys:
+            return None  # taken or cancelled while vLLM still ran it for a step
         entry = _Captured(plan=RequestPlan.from_wire(wire))
         self.requests[req_id] = entry
         self.by_key.setdefault(entry.plan.key, []).append(req_id)
@@ -318,6 +322,9 @@ class _CaptureState:
 
     def take(self, key: str) -> list[dict[str, Any]]:
         """Everything captured for the request(s) with this key, then forget them."""
+        self.closed_keys[key] = None
+        while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
+            self.closed_keys.pop(next(iter(self.closed_keys)))
         results = []
         for req_id in sorted(self.by_key.pop(key, [])):
             entry = self.requests.pop(req_id)

@@ -1,0 +1,217 @@
+"""Real engines: captures equal HuggingFace, per request, under batching and chunked prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from replicas.errors import InvalidRequestError
+from replicas.hooks import LAYER_KINDS, FINAL_NORM_HOOK
+from tests.conftest import ARCHS, MAX_NUM_BATCHED_TOKENS
+from tests.hf_reference import hf_activations
+
+pytestmark = pytest.mark.engine
+TOL = 1e-4
+
+
+def prompt_ids(n: int, seed: int, vocab: int = 400) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def all_hooks(n_layers: int) -> list[str]:
+    return [f"blocks.{i}.hook_{kind}" for i in range(n_layers) for kind in LAYER_KINDS] + [FINAL_NORM_HOOK]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_hook_matches_hf_on_prompt_and_generated_rows(loop, engines, tiny_models, arch):
+    engine = engines[arch]
+    info = loop.run(engine.info())
+    prompt = prompt_ids(11, seed=3)
+    result = loop.run(
+        engine.generate(
+            {
+                "prompt": prompt,
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+                "capture": {"hooks": all_hooks(info.n_layers), "positions": "all"},
+            }
+        )
+    )
+    fed = prompt + result.token_ids[:-1]  # the last sampled token is never fed through the model
+    assert result.positions == list(range(len(fed)))
+    assert result.capture_token_ids == fed
+    reference = hf_activations(tiny_models[arch], fed)
+    for i in range(info.n_layers):
+        for kind in LAYER_KINDS:
+            got = result.activations[f"blocks.{i}.hook_{kind}"]
+            assert got.shape == (len(fed), info.d_model)
+            np.testing.assert_allclose(got, reference[(i, kind)], atol=TOL, rtol=0, err_msg=f"{arch} layer {i} {kind}")
+    np.testing.assert_allclose(result.activations[FINAL_NORM_HOOK], reference[(None, "ln_final")], atol=TOL, rtol=0)
+
+
+def test_aliases_and_wire_keys_are_echoed_and_equal(loop, engines):
+    engine = engines["llama"]
+    hooks = ["blocks.2.hook_resid_post", "blocks.2.hook_out", "2:resid_post", "blocks.1.ln2.hook_in", "1:resid_mid"]
+    result = loop.run(engine.generate({"prompt": prompt_ids(6, 1), "max_tokens": 2, "capture": {"hooks": hooks}}))
+    assert set(result.activations) == set(hooks)
+    np.testing.assert_array_equal(result.activations["blocks.2.hook_out"], result.activations["blocks.2.hook_resid_post"])
+    np.testing.assert_array_equal(result.activations["2:resid_post"], result.activations["blocks.2.hook_resid_post"])
+    np.testing.assert_array_equal(result.activations["blocks.1.ln2.hook_in"], result.activations["1:resid_mid"])
+
+
+def random_spec(rng: random.Random, n_layers: int) -> dict:
+    hooks = rng.sample(all_hooks(n_layers), k=rng.randint(1, 4))
+    positions = rng.choice(["all", "prompt", "generated", "last_prompt", [0, -1], [1, 2, 3]])
+    return {
+        "hooks": hooks,
+        "positions": positions,
+        "reduce": rng.choice(["none", "none", "mean"]),
+        "dtype": rng.choice(["float32", "float32", "bfloat16", "float16"]),
+    }
+
+
+def test_32_concurrent_requests_each_equal_the_request_alone(loop, engines):
+    engine = engines["llama"]
+    rng = random.Random(7)
+    requests = [
+        {
+            "prompt": prompt_ids(rng.randint(4, 200), seed=100 + k),
+            "max_tokens": rng.randint(2, 8),
+            "temperature": 0,
+            "ignore_eos": True,
+            "capture": random_spec(rng, 4) if k % 5 else None,
+        }
+        for k in range(32)
+    ]
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    batched = loop.run(together())
+    for request, got in zip(requests, batched):
+        alone = loop.run(engine.generate(request))
+        assert got.token_ids == alone.token_ids
+        assert got.positions == alone.positions
+        assert set(got.activations) == set(alone.activations) == set((request["capture"] or {}).get("hooks", []))
+        for name, rows in alone.activations.items():
+            assert got.activations[name].dtype == rows.dtype
+            np.testing.assert_allclose(got.activations[name].astype(np.float32), rows.astype(np.float32), atol=2e-5, rtol=0)
+
+
+def test_positions_modes_select_the_right_rows(loop, engines):
+    engine = engines["qwen2"]
+    prompt = prompt_ids(9, seed=5)
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    full = loop.run(engine.generate(base | {"capture": {"hooks": ["1:resid_post"], "positions": "all"}}))
+    rows = full.activations["1:resid_post"]
+    expected = {"prompt": list(range(9)), "generated": [9, 10, 11], "last_prompt": [8], (0, -1, 10): [0, 8, 10]}
+    for spec, positions in expected.items():
+        spec_value = list(spec) if isinstance(spec, tuple) else spec
+        got = loop.run(engine.generate(base | {"capture": {"hooks": ["1:resid_post"], "positions": spec_value}}))
+        assert got.positions == positions, spec
+        np.testing.assert_allclose(got.activations["1:resid_post"], rows[positions], atol=TOL, rtol=0)
+    mean = loop.run(engine.generate(base | {"capture": {"hooks": ["1:resid_post"], "positions": "prompt", "reduce": "mean"}}))
+    assert mean.activations["1:resid_post"].shape == (rows.shape[1],)
+    np.testing.assert_allclose(mean.activations["1:resid_post"], rows[:9].mean(0), atol=TOL, rtol=0)
+    half = loop.run(engine.generate(base | {"capture": {"hooks": ["1:resid_post"], "dtype": "bfloat16"}}))
+    assert str(half.activations["1:resid_post"].dtype) == "bfloat16"
+    np.testing.assert_allclose(half.activations["1:resid_post"].astype(np.float32), rows, atol=0.05, rtol=0.01)
+
+
+def test_prompt_longer_than_a_step_captures_correctly(loop, engines, tiny_models):
+    engine = engines["gpt2"]
+    prompt = prompt_ids(3 * MAX_NUM_BATCHED_TOKENS + 17, seed=9)
+    result = loop.run(
+        engine.generate(
+            {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+             "capture": {"hooks": ["blocks.0.hook_resid_pre", "blocks.3.hook_resid_post", "2:attn_out"], "positions": "all"}}
+        )
+    )
+    fed = prompt + result.token_ids[:-1]
+    assert result.positions == list(range(len(fed)))
+    reference = hf_activations(tiny_models["gpt2"], fed)
+    np.testing.assert_allclose(result.activations["blocks.0.hook_resid_pre"], reference[(0, "resid_pre")], atol=TOL, rtol=0)
+    np.testing.assert_allclose(result.activations["blocks.3.hook_resid_post"], reference[(3, "resid_post")], atol=TOL, rtol=0)
+    np.testing.assert_allclose(result.activations["2:attn_out"], reference[(2, "attn_out")], atol=TOL, rtol=0)
+
+
+def test_text_and_chat_prompts_are_tokenized_by_the_replica(loop, engines):
+    engine = engines["llama"]
+    text = loop.run(engine.generate({"prompt": "the cat sat on the mat", "max_tokens": 2, "capture": {"hooks": ["0:resid_pre"], "positions": "prompt"}}))
+    assert text.prompt_token_ids == engine.tokenizer.encode("the cat sat on the mat")
+    assert text.capture_token_ids == text.prompt_token_ids
+    chat = loop.run(engine.generate({"prompt": [{"role": "user", "content": "hello there"}], "max_tokens": 2}))
+    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False, add_generation_prompt=True)
+    assert chat.prompt_token_ids == engine.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_sampling_options_pass_through(loop, engines):
+    engine = engines["llama"]
+    request = {"prompt": prompt_ids(8, 2), "max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 3, "logprobs": 2, "prompt_logprobs": 1}
+    first, second = loop.run(engine.generate(request)), loop.run(engine.generate(request))
+    assert [c.token_ids for c in first.choices] == [c.token_ids for c in second.choices]
+    assert len(first.choices) == 3 and all(len(c.token_ids) == 6 for c in first.choices)
+    assert len(first.logprobs) == 6 and all(len(row) >= 2 for row in first.logprobs)
+    assert len(first.prompt_logprobs) == 8 and first.prompt_logprobs[0] is None
+    capped = loop.run(engine.generate({"prompt": prompt_ids(8, 2), "max_tokens": 3, "temperature": 0}))
+    assert len(capped.token_ids) <= 3
+
+
+BAD_REQUESTS = {
+    "unknown hook": ({"capture": {"hooks": ["blocks.0.hook_nope"]}}, "capture.hooks"),
+    "layer out of range": ({"capture": {"hooks": ["blocks.9.hook_resid_post"]}}, "layer 9 is out of range"),
+    "unknown position mode": ({"capture": {"hooks": ["0:resid_pre"], "positions": "middle"}}, "capture.positions"),
+    "index past the sequence": ({"capture": {"hooks": ["0:resid_pre"], "positions": [40]}}, "capture.positions"),
+    "capture over the byte cap": ({"max_tokens": 400, "capture": {"hooks": all_hooks(4)}}, "max_capture_bytes"),
+    "prompt too long": ({"prompt": [5] * 497, "max_tokens": 30}, "max_model_len"),
+    "token id outside vocab": ({"prompt": [5, 100000]}, "vocabulary"),
+    "unknown field": ({"capture": {"hooks": ["0:resid_pre"], "layers": [1]}}, "capture.layers"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_input_fails_only_that_request(loop, engines, case):
+    engine = engines["llama"]
+    overrides, expected_text = BAD_REQUESTS[case]
+    good = {"prompt": prompt_ids(10, 4), "max_tokens": 20, "ignore_eos": True, "capture": {"hooks": ["1:mlp_out"]}}
+    bad = {"prompt": prompt_ids(10, 4), "max_tokens": 4} | overrides
+
+    async def both():
+        return await asyncio.gather(engine.generate(bad), engine.generate(good), return_exceptions=True)
+
+    bad_result, good_result = loop.run(both())
+    assert isinstance(bad_result, InvalidRequestError), bad_result
+    assert expected_text in str(bad_result)
+    assert not isinstance(good_result, BaseException), good_result
+    assert good_result.activations["1:mlp_out"].shape == (10 + 19, 128)
+
+
+def test_requests_without_capture_leave_nothing_behind(loop, engines):
+    engine = engines["llama"]
+    loop.run(engine.generate({"prompt": prompt_ids(5, 8), "max_tokens": 2, "capture": {"hooks": ["0:resid_pre"]}}))
+    loop.run(engine.generate({"prompt": prompt_ids(5, 8), "max_tokens": 2}))
+    stats = loop.run(engine.check_health())
+    assert stats["requests_held"] == 0 and stats["bytes_held"] == 0
+
+
+def test_cancelled_request_frees_its_state(loop, engines):
+    engine = engines["llama"]
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(
+            engine.generate({"prompt": prompt_ids(20, 3), "max_tokens": 400, "ignore_eos": True, "capture": {"hooks": ["0:resid_pre"]}})
+        )
+        await asyncio.sleep(1.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+        return await engine.check_health()
+
+    stats = loop.run(cancel_midway())
+    assert stats["requests_held"] == 0 and stats["bytes_held"] == 0

@@ -1,0 +1,230 @@
+"""Real engines: interventions and logits equal HuggingFace with the same edit, per request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from replicas.errors import InvalidRequestError
+from replicas.hooks import LAYER_KINDS
+from tests.conftest import ARCHS
+from tests.hf_reference import hf_activations, hf_greedy, hf_logits
+from tests.test_engine_capture import prompt_ids
+
+pytestmark = pytest.mark.engine
+LOGIT_TOL = 1e-3
+D_MODEL = 128
+
+
+def direction(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(D_MODEL).astype(np.float32)
+
+
+def make_edit(op: str, hook: str, positions, n_rows: int) -> dict:
+    if op == "add":
+        return {"hook": hook, "op": "add", "vector": direction(1), "scale": 4.0, "positions": positions}
+    if op == "scale":
+        # zero-ablate sublayer outputs; halve residual streams (zeroing a whole residual stream
+        # leaves only rounding noise for the next RMSNorm to blow up, in HF and vLLM alike)
+        factor = 0.0 if hook.endswith(("attn_out", "mlp_out")) else 0.5
+        return {"hook": hook, "op": "scale", "factor": factor, "positions": positions}
+    if op == "set":
+        values = np.random.default_rng(2).standard_normal((n_rows, D_MODEL)).astype(np.float32)
+        return {"hook": hook, "op": "set", "values": values, "positions": positions}
+    return {"hook": hook, "op": "project_out", "vector": direction(3), "positions": positions}
+
+
+def hf_edit_fn(edit: dict, prompt_len: int):
+    """The same edit as a function of the full [seq, d] activation, for the HF forward hooks."""
+
+    def selected(seq_len: int) -> np.ndarray:
+        positions = edit.get("positions", "all")
+        index = np.arange(seq_len)
+        if positions == "all":
+            return index
+        if positions == "prompt":
+            return index[index < prompt_len]
+        if positions == "generated":
+            return index[index >= prompt_len]
+        return np.array([p + prompt_len if p < 0 else p for p in positions])
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        rows = torch.as_tensor(selected(h.shape[0]))
+        rows = rows[rows < h.shape[0]]
+        out = h.clone()
+        part = h[rows]
+        if edit["op"] == "add":
+            vector = torch.as_tensor(edit["vector"])
+            if edit.get("norm_match"):
+                part = part + edit["scale"] * part.norm(dim=-1, keepdim=True) * vector / vector.norm()
+            else:
+                part = part + edit["scale"] * vector
+        elif edit["op"] == "scale":
+            part = part * edit["factor"]
+        elif edit["op"] == "set":
+            values = torch.as_tensor(np.atleast_2d(edit["values"]))
+            part = values[: len(rows)] if len(values) > 1 else values.expand_as(part)
+        else:
+            unit = torch.as_tensor(edit["vector"]) / torch.as_tensor(edit["vector"]).norm()
+            part = part - (part @ unit)[:, None] * unit
+        out[rows] = part.to(h.dtype)
+        return out
+
+    return fn
+
+
+def hf_edits(edits: list[dict], prompt_len: int) -> list:
+    from replicas.hooks import resolve_hook
+
+    return [(*resolve_hook(e["hook"]), hf_edit_fn(e, prompt_len)) for e in edits]
+
+
+OP_POSITIONS = {"add": "all", "scale": "prompt", "set": [1, 3, -1], "project_out": "all"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("op", list(OP_POSITIONS))
+def test_every_op_at_every_kind_matches_hf(loop, engines, tiny_models, arch, op):
+    engine, path = engines[arch], tiny_models[arch]
+    prompt = prompt_ids(8, seed=21)
+    for layer, kind in zip([0, 1, 2, 3, 1], LAYER_KINDS):
+        hook = f"blocks.{layer}.hook_{kind}"
+        edit = make_edit(op, hook, OP_POSITIONS[op], n_rows=3)
+        result = loop.run(
+            engine.generate(
+                {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                 "interventions": [edit], "logits": {"positions": "all"}}
+            )
+        )
+        edits = hf_edits([edit], len(prompt))
+        assert result.token_ids == hf_greedy(path, prompt, 4, edits=edits), f"{arch} {op} {hook}"
+        fed = prompt + result.token_ids[:-1]
+        reference = hf_logits(path, fed, edits=edits)
+        assert result.logits_positions == list(range(len(fed)))
+        np.testing.assert_allclose(result.logits, reference, atol=LOGIT_TOL, rtol=0, err_msg=f"{arch} {op} {hook}")
+
+
+def test_norm_matched_add_and_stacked_edits_match_hf(loop, engines, tiny_models):
+    engine, path = engines["llama"], tiny_models["llama"]
+    prompt = prompt_ids(7, seed=22)
+    edits = [
+        {"hook": "blocks.1.hook_resid_pre", "op": "add", "vector": direction(5), "scale": 0.5, "norm_match": True},
+        {"hook": "blocks.1.hook_resid_pre", "op": "project_out", "vector": direction(6)},
+        {"hook": "blocks.2.hook_mlp_out", "op": "scale", "factor": 2.5, "positions": "generated"},
+    ]
+    result = loop.run(engine.generate({"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                                       "interventions": edits, "logits": {"positions": "all"}}))
+    reference = hf_edits(edits, len(prompt))
+    assert result.token_ids == hf_greedy(path, prompt, 5, edits=reference)
+    np.testing.assert_allclose(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)
+
+
+def test_edits_stay_in_their_own_rows(loop, engines, tiny_models):
+    engine, path = engines["qwen2"], tiny_models["qwen2"]
+    prompts = {name: prompt_ids(6 + k, seed=30 + k) for k, name in enumerate("ABC")}
+    steer = {"hook": "blocks.1.hook_resid_post", "op": "add", "vector": direction(8), "scale": 6.0}
+    ablate = {"hook": "blocks.2.hook_attn_out", "op": "scale", "factor": 0.0}
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"},
+            "capture": {"hooks": ["blocks.3.hook_resid_post"]}}
+    requests = {
+        "A": base | {"prompt": prompts["A"], "interventions": [steer]},
+        "B": base | {"prompt": prompts["B"], "interventions": [ablate]},
+        "C": base | {"prompt": prompts["C"]},
+    }
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(requests[name]) for name in "ABC"))
+
+    a, b, c = loop.run(together())
+    for result, name, edit in ((a, "A", steer), (b, "B", ablate)):
+        edits = hf_edits([edit], len(prompts[name]))
+        assert result.token_ids == hf_greedy(path, prompts[name], 6, edits=edits)
+        np.testing.assert_allclose(result.logits, hf_logits(path, prompts[name] + result.token_ids[:-1], edits=edits), atol=LOGIT_TOL, rtol=0)
+    alone = loop.run(engine.generate(requests["C"]))
+    assert c.token_ids == alone.token_ids
+    np.testing.assert_array_equal(c.activations["blocks.3.hook_resid_post"], alone.activations["blocks.3.hook_resid_post"])
+    np.testing.assert_array_equal(c.logits, alone.logits)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_phase_limits_where_an_edit_applies(loop, engines, phase):
+    engine = engines["llama"]
+    prompt = prompt_ids(9, seed=40)
+    request = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+               "capture": {"hooks": ["blocks.3.hook_resid_post"], "positions": "all"}}
+    plain = loop.run(engine.generate(request))
+    edit = {"hook": "blocks.0.hook_resid_post", "op": "add", "vector": direction(9), "scale": 3.0, "phase": phase}
+    edited = loop.run(engine.generate(request | {"interventions": [edit], "max_tokens": 6}))
+    before = plain.activations["blocks.3.hook_resid_post"]
+    after = edited.activations["blocks.3.hook_resid_post"]
+    prompt_changed = np.abs(after[:9] - before[:9]).max(axis=1) > 1e-3
+    if phase == "decode":
+        assert not prompt_changed.any()
+        assert (np.abs(after[9:] - before[9:]).max(axis=1) > 1e-3).all()
+    else:
+        assert prompt_changed.all()
+
+
+def test_capture_at_the_edited_hook_shows_the_edited_value(loop, engines):
+    engine = engines["gpt2"]
+    request = {"prompt": prompt_ids(5, seed=41), "max_tokens": 2, "temperature": 0,
+               "capture": {"hooks": ["blocks.1.hook_mlp_out", "blocks.1.hook_resid_pre"], "positions": "prompt"}}
+    edited = loop.run(engine.generate(request | {"interventions": [{"hook": "blocks.1.hook_mlp_out", "op": "scale", "factor": 0.0}]}))
+    plain = loop.run(engine.generate(request))
+    assert np.all(edited.activations["blocks.1.hook_mlp_out"] == 0)
+    np.testing.assert_array_equal(edited.activations["blocks.1.hook_resid_pre"], plain.activations["blocks.1.hook_resid_pre"])
+
+
+def test_patching_the_last_layer_reproduces_the_source_logits(loop, engines):
+    engine = engines["llama"]
+    source, target = prompt_ids(8, seed=50), prompt_ids(8, seed=51)
+    hook = "blocks.3.hook_resid_post"
+    captured = loop.run(engine.generate({"prompt": source, "max_tokens": 1, "capture": {"hooks": [hook], "positions": "prompt"},
+                                         "logits": {"positions": "prompt"}}))
+    patched = loop.run(engine.generate({
+        "prompt": target, "max_tokens": 1, "logits": {"positions": "prompt"},
+        "interventions": [{"hook": hook, "op": "set", "positions": captured.positions, "values": captured.activations[hook]}],
+    }))
+    np.testing.assert_allclose(patched.logits, captured.logits, atol=1e-4, rtol=0)
+    unpatched = loop.run(engine.generate({"prompt": target, "max_tokens": 1, "logits": {"positions": "prompt"}}))
+    assert np.abs(unpatched.logits - captured.logits).max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_hf(loop, engines, tiny_models, arch):
+    prompt = prompt_ids(10, seed=60)
+    result = loop.run(engines[arch].generate({"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                              "logits": {"positions": [0, 4, -1, 11]}}))
+    assert result.logits_positions == [0, 4, 9, 11]
+    reference = hf_logits(tiny_models[arch], prompt + result.token_ids[:-1])
+    assert result.logits.dtype == np.float32 and result.logits.shape == (4, reference.shape[1])
+    np.testing.assert_allclose(result.logits, reference[[0, 4, 9, 11]], atol=LOGIT_TOL, rtol=0)
+
+
+BAD_EDITS = {
+    "wrong vector width": ({"hook": "1:resid_post", "op": "add", "vector": [1.0] * 7}, "width 7"),
+    "nan values": ({"hook": "1:resid_post", "op": "add", "vector": [float("nan")] * D_MODEL}, "NaN"),
+    "set rows do not match positions": ({"hook": "1:resid_post", "op": "set", "positions": [0, 1], "values": np.ones((3, D_MODEL))}, "3 rows"),
+    "unknown op": ({"hook": "1:resid_post", "op": "negate", "vector": [1.0] * D_MODEL}, "interventions.0.op"),
+    "missing field": ({"hook": "1:resid_post", "op": "scale"}, "needs field 'factor'"),
+    "final norm": ({"hook": "ln_final.hook_normalized", "op": "scale", "factor": 2.0}, "cannot be edited"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_EDITS, ids=list(BAD_EDITS))
+def test_bad_intervention_fails_only_that_request(loop, engines, case):
+    engine = engines["llama"]
+    edit, expected = BAD_EDITS[case]
+    good = {"prompt": prompt_ids(6, 70), "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "interventions": [{"hook": "0:mlp_out", "op": "scale", "factor": 0.5}]}
+
+    async def both():
+        bad = engine.generate({"prompt": prompt_ids(6, 71), "max_tokens": 3, "interventions": [edit]})
+        return await asyncio.gather(bad, engine.generate(good), return_exceptions=True)
+
+    bad_result, good_result = loop.run(both())
+    assert isinstance(bad_result, InvalidRequestError) and expected in str(bad_result), bad_result
+    assert not isinstance(good_result, BaseException) and len(good_result.token_ids) == 8

@@ -1,0 +1,115 @@
+"""Fast unit tests: hook names, request schemas, position selection, the array wire format."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from replicas import arrays
+from replicas.api import GenerateRequest, Intervention
+from replicas.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
+from replicas.plans import PlanError, build_wire_plan, position_mask, value_rows
+
+
+@pytest.mark.parametrize(
+    "name, point",
+    [
+        ("blocks.3.hook_resid_pre", HookPoint(3, "resid_pre")),
+        ("blocks.3.hook_in", HookPoint(3, "resid_pre")),
+        ("blocks.0.ln2.hook_in", HookPoint(0, "resid_mid")),
+        ("blocks.12.hook_out", HookPoint(12, "resid_post")),
+        ("blocks.1.attn.hook_out", HookPoint(1, "attn_out")),
+        ("blocks.1.mlp.hook_out", HookPoint(1, "mlp_out")),
+        ("7:mlp_out", HookPoint(7, "mlp_out")),
+        ("ln_final.hook_normalized", HookPoint(None, "ln_final")),
+    ],
+)
+def test_every_spelling_resolves(name, point):
+    assert resolve_hook(name) == point
+    assert resolve_hook(point.canonical_name) == point
+    assert resolve_hook(point.wire_key) == point
+
+
+@pytest.mark.parametrize("name", ["blocks.1.hook_q", "1:resid", "resid_post", "blocks.x.hook_out", ""])
+def test_unknown_names_list_the_accepted_forms(name):
+    with pytest.raises(HookNameError, match="blocks.<i>.hook_<kind>"):
+        resolve_hook(name)
+
+
+def test_layer_range_is_checked_when_known():
+    with pytest.raises(HookNameError, match="layers 0..3"):
+        resolve_hook("blocks.4.hook_out", n_layers=4)
+
+
+def test_served_names_follow_the_armed_kinds():
+    names = served_hook_names(2, ["resid_post"])
+    assert names == ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "ln_final.hook_normalized"]
+    assert len(served_hook_names(3)) == 3 * 5 + 1
+
+
+def test_requests_accept_dicts_arrays_and_encoded_arrays():
+    vector = np.arange(4, dtype=np.float32)
+    for value in (vector, vector.tolist(), arrays.to_base64(vector)):
+        edit = Intervention.model_validate({"hook": "0:resid_pre", "op": "add", "vector": value})
+        np.testing.assert_array_equal(edit.vector, vector)
+    request = GenerateRequest.model_validate({"prompt": [1, 2], "capture": {"hooks": ["0:resid_pre"]}})
+    assert request.capture.positions == "all" and request.capture.dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"hook": "0:resid_pre", "op": "add"}, "needs field 'vector'"),
+        ({"hook": "0:resid_pre", "op": "scale", "factor": 1.0, "vector": [1.0]}, "does not apply"),
+        ({"hook": "0:resid_pre", "op": "add", "vector": [1.0, float("inf")]}, "NaN or infinite"),
+        ({"hook": "0:resid_pre", "op": "project_out", "vector": [0.0, 0.0]}, "non-zero"),
+        ({"hook": "0:resid_pre", "op": "add", "vector": [1.0], "phase": "later"}, "phase"),
+    ],
+)
+def test_bad_interventions_name_the_problem(edit, message):
+    with pytest.raises(ValidationError, match=message):
+        Intervention.model_validate(edit)
+
+
+def test_position_masks():
+    positions = np.arange(3, 9)  # a chunk of a 5-token prompt followed by generated tokens
+    assert position_mask("prompt", positions, 5).tolist() == [1, 1, 0, 0, 0, 0]
+    assert position_mask("generated", positions, 5).tolist() == [0, 0, 1, 1, 1, 1]
+    assert position_mask("last_prompt", positions, 5).tolist() == [0, 1, 0, 0, 0, 0]
+    assert position_mask([-1, 7], positions, 5).tolist() == [0, 1, 0, 0, 1, 0]
+    assert value_rows([-1, 7], np.array([4, 7]), 5, 2).tolist() == [0, 1]
+    assert value_rows("generated", np.array([6, 7]), 5, 4).tolist() == [1, 2]
+
+
+def plan(request: dict, **overrides):
+    options = dict(prompt_len=10, n_layers=4, d_model=4, armed_kinds={"resid_post"}, edit_stages=1, max_capture_bytes=1000)
+    return build_wire_plan("k", GenerateRequest.model_validate({"prompt": [1] * 10} | request), **(options | overrides))
+
+
+def test_plans_reject_what_the_model_or_deployment_cannot_serve():
+    assert plan({}) is None
+    with pytest.raises(PlanError, match="has not armed"):
+        plan({"capture": {"hooks": ["0:mlp_out"]}})
+    with pytest.raises(PlanError, match="outside the sequence"):
+        plan({"max_tokens": 2, "capture": {"hooks": ["0:resid_post"], "positions": [11]}})
+    with pytest.raises(PlanError, match="max_capture_bytes=1000"):
+        plan({"max_tokens": 60, "capture": {"hooks": ["0:resid_post"]}})
+    with pytest.raises(PlanError, match="at most 1 per hook"):
+        edit = {"hook": "1:resid_post", "op": "scale", "factor": 2.0}
+        plan({"interventions": [edit, edit]})
+    with pytest.raises(PlanError, match="width 3"):
+        plan({"interventions": [{"hook": "1:resid_post", "op": "add", "vector": [1.0, 2.0, 3.0]}]})
+    wire = plan({"capture": {"hooks": ["0:resid_post"], "positions": "last_prompt"}})
+    assert wire["capture"]["sites"] == [[0, "resid_post", "0:resid_post"]]
+
+
+def test_array_wire_format_round_trips_every_dtype():
+    for name in ("float32", "float16", "bfloat16", "int64"):
+        array = np.arange(6).reshape(2, 3).astype(arrays.DTYPES[name])
+        for encoded in (arrays.to_raw(array), arrays.to_base64(array)):
+            decoded = arrays.from_raw(encoded)
+            assert decoded.dtype == array.dtype and decoded.shape == (2, 3)
+            np.testing.assert_array_equal(decoded.astype(np.float32), array.astype(np.float32))
+    with pytest.raises(ValueError, match="need 24"):
+        arrays.from_raw({"dtype": "float32", "shape": [2, 3], "data": b"\0" * 8})
