@@ -108,7 +108,8 @@ class CaptureEngine:
         self.config = config
         self._info = info
         self.name = name
-        self.tokenizer = llm.get_tokenizer()
+        # skip_tokenizer_init (benchmarks on dummy weights): prompts must then be token ids
+        self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
         self._edit_slots = asyncio.Semaphore(config.edit_slots)
 
     @classmethod
@@ -166,6 +167,8 @@ class CaptureEngine:
 
     def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         prompt = request.prompt
+        if self.tokenizer is None and not isinstance(prompt[0], int):
+            raise InvalidRequestError("prompt: this replica runs without a tokenizer (skip_tokenizer_init); send token ids")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt[0], int):

@@ -63,6 +63,7 @@ def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str,
                 max_num_seqs=64,
                 max_capture_bytes=2 << 20,
                 kv_cache_memory_bytes=256 << 20,
+                gpu_memory_utilization=0.25,  # three engines share one GPU on the GPU host
             )
             for arch in ARCHS
         ]

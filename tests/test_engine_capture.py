@@ -215,3 +215,11 @@ def test_cancelled_request_frees_its_state(loop, engines):
 
     stats = loop.run(cancel_midway())
     assert stats["requests_held"] == 0 and stats["bytes_held"] == 0
+
+
+def test_step_preparation_runs_on_every_step(loop, engines):
+    """The fire counter: one prefill step plus one per fed generated token, CUDA graphs or not."""
+    engine = engines["llama"]
+    before = loop.run(engine.check_health())["steps"]
+    loop.run(engine.generate({"prompt": prompt_ids(12, 13), "max_tokens": 10, "ignore_eos": True}))
+    assert loop.run(engine.check_health())["steps"] - before == 10
