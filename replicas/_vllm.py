@@ -151,25 +151,6 @@ def step_layout(runner: Any) -> StepLayout:
     return StepLayout(req_ids, offsets, start)
 
 
-@dataclass(frozen=True)
-class RequestView:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    extra_args: dict[str, Any]
-
-
-def request_view(runner: Any, req_id: str) -> RequestView:
-    state = runner.requests.get(req_id)
-    if state is None:
-        raise VllmInternalsError("request_view", f"request {req_id!r} is not in runner.requests")
-    params = state.sampling_params
-    return RequestView(
-        prompt_token_ids=list(state.prompt_token_ids or ()),
-        output_token_ids=state.output_token_ids,
-        extra_args=(params.extra_args or {}) if params is not None else {},
-    )
-
-
 def wrap_model_forward(runner: Any, before: Callable[[], None], after: Callable[[], None]) -> None:
     """Run `before` once the step's layout is known and `after` once its forward has been issued.
 
@@ -209,3 +190,11 @@ def capserve_options(vllm_config: Any) -> dict[str, Any]:
 
 def has_request(runner: Any, req_id: str) -> bool:
     return req_id in runner.requests
+
+
+def request_extra_args(runner: Any, req_id: str) -> dict[str, Any]:
+    state = runner.requests.get(req_id)
+    if state is None:
+        raise VllmInternalsError("request_extra_args", f"request {req_id!r} is not in runner.requests")
+    params = state.sampling_params
+    return (params.extra_args or {}) if params is not None else {}

@@ -53,7 +53,7 @@ class EngineConfig(BaseModel):
     load_format: str = "auto"
     seed: int = 0
     armed_kinds: list[LayerKind] = Field(default_factory=lambda: list(LAYER_KINDS), description="Hook kinds installed on every layer.")
-    edit_stages: int = Field(2, ge=0, le=8, description="Edits one request may stack at one hook.")
+    edit_stages: int = Field(1, ge=0, le=8, description="Edits one request may stack at one hook; each costs a pass over the rows of every armed site.")
     edit_slots: int = Field(64, ge=1, description="Requests with interventions running at once.")
     max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -111,6 +111,7 @@ class CaptureEngine:
         # skip_tokenizer_init (benchmarks on dummy weights): prompts must then be token ids
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
         self._edit_slots = asyncio.Semaphore(config.edit_slots)
+        self._taker = _BatchedTake(llm)
 
     @classmethod
     async def start(cls, config: EngineConfig | dict[str, Any], name: str | None = None) -> "CaptureEngine":
@@ -143,12 +144,13 @@ class CaptureEngine:
         key = uuid.uuid4().hex
         plan = self._plan(key, request, prompt_ids)
         params = self._sampling_params(request, plan)
+        returns_data = plan is not None and ("capture" in plan or "logits" in plan)
         if request.interventions:
             async with self._edit_slots:
-                return await self._run(key, request, prompt_ids, params, plan is not None)
-        return await self._run(key, request, prompt_ids, params, plan is not None)
+                return await self._run(key, prompt_ids, params, returns_data)
+        return await self._run(key, prompt_ids, params, returns_data)
 
-    async def _run(self, key: str, request: GenerateRequest, prompt_ids: list[int], params: Any, planned: bool) -> GenerateResult:
+    async def _run(self, key: str, prompt_ids: list[int], params: Any, returns_data: bool) -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
         final, completions = None, {}
@@ -158,12 +160,9 @@ class CaptureEngine:
                 # with n > 1 a step's output carries only the completions that advanced in it
                 completions.update((c.index, c) for c in output.outputs)
         finally:
-            captured = await asyncio.shield(self._take(key)) if planned else []
-        return self._result(key, request, final, [completions[i] for i in sorted(completions)], captured)
-
-    async def _take(self, key: str) -> list[dict[str, Any]]:
-        per_worker = await self.llm.collective_rpc("capserve_take", args=(key,))
-        return per_worker[0]
+            # also on cancellation, so the worker forgets the request's rows
+            captured = await asyncio.shield(self._taker.take(key)) if returns_data else []
+        return self._result(key, final, [completions[i] for i in sorted(completions)], captured)
 
     def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         prompt = request.prompt
@@ -219,9 +218,7 @@ class CaptureEngine:
             extra_args={PLAN_KEY: plan} if plan else None,
         )
 
-    def _result(
-        self, key: str, request: GenerateRequest, final: Any, completions: list[Any], captured: list[dict[str, Any]]
-    ) -> GenerateResult:
+    def _result(self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]]) -> GenerateResult:
         choices = [
             Choice(text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason, logprobs=_logprobs(c.logprobs))
             for c in completions
@@ -251,6 +248,37 @@ class CaptureEngine:
             result.logits = arrays.from_raw(first["logits"])
             result.logits_positions = first["logits_positions"]
         return result
+
+
+class _BatchedTake:
+    """Collects the keys of requests that finished close together into one `capserve_take` RPC:
+    every RPC waits for the engine core between two steps, so one per request would stall it."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self.pending: dict[str, asyncio.Future] = {}
+        self.flushing: asyncio.Task | None = None
+
+    async def take(self, key: str) -> list[dict[str, Any]]:
+        future = asyncio.get_running_loop().create_future()
+        self.pending[key] = future
+        if self.flushing is None or self.flushing.done():
+            self.flushing = asyncio.ensure_future(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let requests finishing in the same output batch join
+        while self.pending:
+            batch, self.pending = self.pending, {}
+            try:
+                taken = (await self.llm.collective_rpc("capserve_take", args=(list(batch),)))[0]
+                for key, future in batch.items():
+                    if not future.done():
+                        future.set_result(taken.get(key, []))
+            except Exception as exc:
+                for future in batch.values():
+                    if not future.done():
+                        future.set_exception(exc)
 
 
 def _validated(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:

@@ -29,18 +29,22 @@ class PlanError(InvalidRequestError):
 # ---------------------------------------------------------------- positions
 
 
-def position_mask(spec: Positions, positions: np.ndarray, prompt_len: int) -> np.ndarray:
-    """Which of `positions` (absolute token positions) the spec selects."""
+def selected_offsets(spec: Positions, start: int, count: int, prompt_len: int) -> np.ndarray:
+    """Offsets (0..count-1, ascending) of the rows a spec selects in a chunk of `count` rows whose
+    first row is at absolute position `start`. Modes are ranges, so the common cases do no search."""
+    end = start + count
     if spec == "all":
-        return np.ones(len(positions), dtype=bool)
-    if spec == "prompt":
-        return positions < prompt_len
-    if spec == "generated":
-        return positions >= prompt_len
-    if spec == "last_prompt":
-        return positions == prompt_len - 1
-    wanted = absolute_indices(spec, prompt_len)
-    return np.isin(positions, wanted)
+        lo, hi = start, end
+    elif spec == "prompt":
+        lo, hi = start, min(end, prompt_len)
+    elif spec == "generated":
+        lo, hi = max(start, prompt_len), end
+    elif spec == "last_prompt":
+        lo, hi = max(start, prompt_len - 1), min(end, prompt_len)
+    else:
+        wanted = np.unique(absolute_indices(spec, prompt_len))  # type: ignore[arg-type]
+        return wanted[(wanted >= start) & (wanted < end)] - start
+    return np.arange(lo - start, max(hi, lo) - start)
 
 
 def absolute_indices(indices: list[int], prompt_len: int) -> np.ndarray:
@@ -217,13 +221,14 @@ class EditPlan:
     factor: float = 1.0
     slot: int = 0  # assigned by the worker
 
-    def row_mask(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
-        mask = position_mask(self.positions, positions, prompt_len)
+    def offsets(self, start: int, count: int, prompt_len: int) -> np.ndarray:
+        """Rows of a chunk this edit touches: its positions, limited to its phase."""
+        offsets = selected_offsets(self.positions, start, count, prompt_len)
         if self.phase == "prefill":
-            mask &= positions < prompt_len
-        elif self.phase == "decode":
-            mask &= positions >= prompt_len
-        return mask
+            return offsets[start + offsets < prompt_len]
+        if self.phase == "decode":
+            return offsets[start + offsets >= prompt_len]
+        return offsets
 
 
 @dataclass

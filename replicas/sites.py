@@ -6,11 +6,12 @@ step (slot 0 is the identity), then copies the rows into a static staging buffer
 reads after the step. Nothing here branches on data or leaves the device, so the same code runs
 eagerly on CPU and inside torch.compile + CUDA graphs on GPU.
 
-One stage of the per-row edit, for slot s of the row:
+One stage of the per-row edit, for slot s of the row (all read from one table row):
     h = h - (h . proj[s]) proj[s]                 # project_out (proj[0] = 0)
     h = h * factor[s]                             # scale       (factor[0] = 1)
     h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
     h = values[row] where set_stage[row] == stage  # set (activation patching)
+Inside a compiled graph the stage fuses to a gather, one reduction and pointwise work.
 Rows whose slot is 0 come out bit-identical.
 """
 
@@ -20,6 +21,9 @@ import torch
 from torch import nn
 
 from replicas.hooks import HookPoint
+
+# Columns of an edit-table row after the two d_model-wide vectors (proj, add).
+FACTOR_COLUMN, ADD_COEF_COLUMN, NORM_COEF_COLUMN = 0, 1, 2
 
 
 @torch.library.custom_op("capserve::stage_rows", mutates_args=("staging",))
@@ -55,29 +59,32 @@ class Site(nn.Module):
         self.run_edits = edit_stages > 0
         self.run_capture = capture
         if edit_stages:
-            def table(*shape: int, fill: float = 0.0, kind: torch.dtype = dtype) -> torch.Tensor:
+            def buffer(*shape: int, fill: float = 0.0, kind: torch.dtype = dtype) -> torch.Tensor:
                 return torch.full(shape, fill, dtype=kind, device=device)
 
-            self.register_buffer("slot", table(edit_stages, max_tokens, kind=torch.long), persistent=False)
-            self.register_buffer("proj", table(edit_stages, edit_slots, d_model), persistent=False)
-            self.register_buffer("factor", table(edit_stages, edit_slots, fill=1.0), persistent=False)
-            self.register_buffer("add", table(edit_stages, edit_slots, d_model), persistent=False)
-            self.register_buffer("add_coef", table(edit_stages, edit_slots), persistent=False)
-            self.register_buffer("norm_coef", table(edit_stages, edit_slots), persistent=False)
-            self.register_buffer("set_stage", table(max_tokens, fill=-1, kind=torch.long), persistent=False)
-            self.register_buffer("values", table(max_tokens, d_model), persistent=False)
+            # One row per slot: [proj (d) | add (d) | factor | add_coef | norm_coef], so a stage
+            # reads its row with a single gather; slot 0 (factor 1, the rest 0) is the identity.
+            table = buffer(edit_stages, edit_slots, 2 * d_model + 3)
+            table[:, :, 2 * d_model + FACTOR_COLUMN] = 1.0
+            self.register_buffer("table", table, persistent=False)
+            self.register_buffer("slot", buffer(edit_stages, max_tokens, kind=torch.long), persistent=False)
+            self.register_buffer("set_stage", buffer(max_tokens, fill=-1, kind=torch.long), persistent=False)
+            self.register_buffer("values", buffer(max_tokens, d_model), persistent=False)
         if capture:
             self.register_buffer("staging", torch.zeros(max_tokens, d_model, dtype=dtype, device=device), persistent=False)
+        self.d_model = d_model
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
+        d = self.d_model
         for stage in range(self.edit_stages if self.run_edits else 0):
-            slot = self.slot[stage, :n]
-            direction = self.proj[stage][slot]
+            row = self.table[stage][self.slot[stage, :n]]
+            direction, add = row[:, :d], row[:, d : 2 * d]
+            factor = row[:, 2 * d + FACTOR_COLUMN]
+            add_coef, norm_coef = row[:, 2 * d + ADD_COEF_COLUMN], row[:, 2 * d + NORM_COEF_COLUMN]
             h = h - (h * direction).sum(-1, keepdim=True) * direction
-            h = h * self.factor[stage][slot].unsqueeze(-1)
-            coef = self.add_coef[stage][slot] + self.norm_coef[stage][slot] * h.norm(dim=-1)
-            h = h + self.add[stage][slot] * coef.unsqueeze(-1)
+            h = h * factor.unsqueeze(-1)
+            h = h + add * (add_coef + norm_coef * h.norm(dim=-1)).unsqueeze(-1)
             h = torch.where((self.set_stage[:n] == stage).unsqueeze(-1), self.values[:n], h)
         if self.run_capture:
             stage_rows(h, self.staging)

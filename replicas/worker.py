@@ -7,9 +7,10 @@ worker's own methods, so it never sees `load_model` — hence `worker_cls`. All 
 attributes capserve adds carry the `capserve_` prefix; `collective_rpc("capserve_take", ...)` etc.
 
 Per step (`_CaptureState.before_step` / `after_step`, run around the runner's model call):
-before — read the step's request layout and write which rows each site edits into the static
-buffers; after — gather the rows each request asked for from the staging buffers (on the device),
-reduce, and keep them until the replica takes them.
+before — read the step's request layout and point the rows each request edits at its slots in the
+static buffers; after — gather the rows each request asked for from the staging buffers on the
+device, reduce them there, and start their copy to host memory. Requests that capture and edit
+nothing cost one set lookup per step.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 
 from replicas import _vllm, arrays
 from replicas.hooks import LAYER_KINDS, HookPoint
-from replicas.plans import PLAN_KEY, EditPlan, RequestPlan, position_mask, value_rows
-from replicas.sites import Site
+from replicas.plans import PLAN_KEY, EditPlan, RequestPlan, selected_offsets, value_rows
+from replicas.sites import ADD_COEF_COLUMN, FACTOR_COLUMN, NORM_COEF_COLUMN, Site
 
 _CLOSED_KEYS_KEPT = 10_000
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,19 +34,27 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 @dataclass
 class _Captured:
-    """Rows kept for one request until the replica takes them."""
+    """What one request asked for and what it has produced, until the replica takes it."""
 
     plan: RequestPlan
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     positions: list[np.ndarray] = field(default_factory=list)
-    seen: set[int] = field(default_factory=set)
     logits: list[torch.Tensor] = field(default_factory=list)
     logits_positions: list[np.ndarray] = field(default_factory=list)
-    logits_seen: set[int] = field(default_factory=set)
+    # Rows below this position were already seen: a request recomputed after preemption
+    # runs them again, and they must not be recorded twice.
+    processed_upto: int = 0
+    copied: Any = None  # event after the last device-to-host copy (CUDA only)
     slots: list[tuple[Site, int, int]] = field(default_factory=list)  # (site, stage, slot)
-    finished: bool = False
     error: str | None = None
+
+    @property
+    def returns_data(self) -> bool:
+        return self.plan.capture is not None or self.plan.logits_positions is not None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for rows in self.rows.values() for t in rows)
 
 
 @dataclass
@@ -62,31 +71,33 @@ class _CaptureState:
         self.device = _vllm.runner_device(runner)
         self.max_tokens = _vllm.max_num_tokens(runner)
         self.armed_kinds = list(options.get("armed_kinds") or LAYER_KINDS)
-        self.edit_stages = int(options.get("edit_stages", 2))
+        self.edit_stages = int(options.get("edit_stages", 1))
         self.edit_slots = int(options.get("edit_slots", 64))
+        self.eager = bool(options.get("eager", False))
         model_dtype = next(runner.get_model().parameters()).dtype
         site_args = dict(
-            d_model=self.layout.d_model,
-            max_tokens=self.max_tokens,
-            edit_slots=self.edit_slots + 1,
-            dtype=model_dtype,
-            device=self.device,
+            d_model=self.layout.d_model, max_tokens=self.max_tokens, edit_slots=self.edit_slots + 1,
+            dtype=model_dtype, device=self.device,
         )
         self.sites: dict[tuple[int | None, str], Site] = {}
         for layer in range(len(self.layout.layers)):
             for kind in self.armed_kinds:
                 point = HookPoint(layer, kind)  # type: ignore[arg-type]
                 self.sites[point] = Site(point, edit_stages=self.edit_stages, capture=True, **site_args)
-        self.sites[HookPoint(None, "ln_final")] = Site(HookPoint(None, "ln_final"), edit_stages=0, capture=True, **site_args)
-        self.eager = bool(options.get("eager", False))
-        self._free_slots = {(id(s), st): list(range(self.edit_slots, 0, -1)) for s in self.sites.values() for st in range(s.edit_stages)}
+        final = HookPoint(None, "ln_final")
+        self.sites[final] = Site(final, edit_stages=0, capture=True, **site_args)
+        self._free_slots = {
+            (id(s), stage): list(range(self.edit_slots, 0, -1)) for s in self.sites.values() for stage in range(s.edit_stages)
+        }
         self.requests: dict[str, _Captured] = {}  # by vLLM's internal request id
         self.by_key: dict[str, list[str]] = {}
+        self.unplanned: set[str] = set()  # running requests that asked for nothing
         self.closed_keys: dict[str, None] = {}  # insertion-ordered set of taken keys
         self._dirty_rows: dict[Site, int] = {}
-        self._step: Any = None
+        self._step: _vllm.StepLayout | None = None
         self.steps = 0
         self.rows_captured = 0
+        self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0}
         self._install_hooks()
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
 
@@ -168,47 +179,64 @@ class _CaptureState:
     # ------------------------------------------------------------ per step, outside the graph
 
     def before_step(self) -> None:
+        began = time.perf_counter()
+        try:
+            self._prepare()
+        finally:
+            self.seconds["prepare"] += time.perf_counter() - began
+
+    def _prepare(self) -> None:
         step = _vllm.step_layout(self.runner)
         self._step = step
         self.steps += 1
-        self._release_finished()
+        self.unplanned.intersection_update(step.req_ids)
+        if self.requests:
+            self._release_finished()
         edits: dict[Site, list[_RowEdit]] = {}
         captured: set[Site] = set()
         for k, req_id in enumerate(step.req_ids):
+            if req_id in self.unplanned:
+                continue
             entry = self.requests.get(req_id) or self._admit(req_id)
             if entry is None or entry.error:
                 continue
             plan = entry.plan
-            if plan.capture is not None:
-                captured.update(self.sites[(layer, kind)] for layer, kind, _ in plan.capture.sites)
-            if plan.logits_positions is not None:
-                captured.add(self.sites[(None, "ln_final")])
-            lo, hi = int(step.offsets[k]), int(step.offsets[k + 1])
-            positions = step.start_positions[k] + np.arange(hi - lo)
+            if self.eager:
+                captured.update(self._captured_sites(plan))
+            lo = int(step.offsets[k])
+            start, count = int(step.start_positions[k]), int(step.offsets[k + 1]) - lo
             for edit in plan.edits:
-                mask = edit.row_mask(positions, plan.prompt_len)
-                if not mask.any():
+                offsets = edit.offsets(start, count, plan.prompt_len)
+                if len(offsets) == 0:
                     continue
                 values = None
                 if edit.op == "set":
-                    values = edit.values[value_rows(edit.positions, positions[mask], plan.prompt_len, len(edit.values))]
-                edits.setdefault(self.sites[edit.site], []).append(_RowEdit(lo + np.flatnonzero(mask), edit, values))
-        if self.eager:
+                    values = edit.values[value_rows(edit.positions, start + offsets, plan.prompt_len, len(edit.values))]
+                edits.setdefault(self.sites[edit.site], []).append(_RowEdit(lo + offsets, edit, values))
+        if self.eager:  # compiled graphs never read these flags; eager mode skips idle sites
             for site in self.sites.values():
                 site.run_capture = site in captured
                 site.run_edits = site in edits
-        self._write_edit_rows(edits, step.num_tokens)
+        if edits or self._dirty_rows:
+            self._write_edit_rows(edits, step.num_tokens)
+
+    def _captured_sites(self, plan: RequestPlan) -> list[Site]:
+        sites = [self.sites[(layer, kind)] for layer, kind, _ in plan.capture.sites] if plan.capture else []
+        if plan.logits_positions is not None:
+            sites.append(self.sites[(None, "ln_final")])
+        return sites
 
     def _write_edit_rows(self, edits: dict[Site, list[_RowEdit]], num_tokens: int) -> None:
         """Point each edited row at its slot; reset the rows the previous step pointed."""
         for site in set(self._dirty_rows) | set(edits):
             previous = self._dirty_rows.pop(site, 0)
-            site.slot[:, :previous] = 0
-            site.set_stage[:previous] = -1
             if site not in edits:
+                site.slot[:, :previous] = 0
+                site.set_stage[:previous] = -1
                 continue
-            slot = np.zeros((site.edit_stages, num_tokens), dtype=np.int64)
-            set_stage = np.full(num_tokens, -1, dtype=np.int64)
+            width = max(previous, num_tokens)
+            slot = np.zeros((site.edit_stages, width), dtype=np.int64)
+            set_stage = np.full(width, -1, dtype=np.int64)
             for row_edit in edits[site]:
                 slot[row_edit.edit.stage, row_edit.rows] = row_edit.edit.slot
                 if row_edit.values is not None:
@@ -216,30 +244,50 @@ class _CaptureState:
                     site.values[torch.from_numpy(row_edit.rows).to(self.device)] = torch.from_numpy(
                         row_edit.values
                     ).to(self.device, site.values.dtype)
-            site.slot[:, :num_tokens] = torch.from_numpy(slot).to(self.device, non_blocking=True)
-            site.set_stage[:num_tokens] = torch.from_numpy(set_stage).to(self.device, non_blocking=True)
+            site.slot[:, :width].copy_(torch.from_numpy(slot), non_blocking=True)
+            site.set_stage[:width].copy_(torch.from_numpy(set_stage), non_blocking=True)
             self._dirty_rows[site] = num_tokens
 
     def after_step(self) -> None:
+        began = time.perf_counter()
+        try:
+            self._collect_step()
+        finally:
+            self.seconds["collect"] += time.perf_counter() - began
+
+    def _collect_step(self) -> None:
         step = self._step
+        if not self.requests or step is None:
+            return
+        copied = False
         for k, req_id in enumerate(step.req_ids):
             entry = self.requests.get(req_id)
-            if entry is None or entry.error:
+            if entry is None or entry.error or not entry.returns_data:
                 continue
-            lo, hi = int(step.offsets[k]), int(step.offsets[k + 1])
-            positions = step.start_positions[k] + np.arange(hi - lo)
+            lo = int(step.offsets[k])
+            start, count = int(step.start_positions[k]), int(step.offsets[k + 1]) - lo
             try:
-                self._collect(entry, lo, positions)
+                copied |= self._collect(entry, lo, start, count)
             except Exception as exc:  # a failed capture fails its request, loudly, not the engine
                 entry.error = f"capture failed in the worker: {type(exc).__name__}: {exc}"
+        if copied and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            for req_id in step.req_ids:
+                if req_id in self.requests:
+                    self.requests[req_id].copied = event
 
-    def _collect(self, entry: _Captured, lo: int, positions: np.ndarray) -> None:
+    def _collect(self, entry: _Captured, lo: int, start: int, count: int) -> bool:
+        """Gather this step's wanted rows on the device and start their copy to the host."""
         plan = entry.plan
+        fresh_from = max(entry.processed_upto - start, 0)
+        entry.processed_upto = max(entry.processed_upto, start + count)
+        copied = False
         if plan.capture is not None:
-            fresh = np.array([int(p) not in entry.seen for p in positions], dtype=bool)
-            mask = position_mask(plan.capture.positions, positions, plan.prompt_len) & fresh
-            if mask.any():
-                rows = torch.from_numpy(lo + np.flatnonzero(mask)).to(self.device)
+            offsets = selected_offsets(plan.capture.positions, start, count, plan.prompt_len)
+            offsets = offsets[offsets >= fresh_from]
+            if len(offsets):
+                rows = torch.from_numpy(lo + offsets).to(self.device, non_blocking=True)
                 dtype = TORCH_DTYPES[plan.capture.dtype]
                 for layer, kind, name in plan.capture.sites:
                     picked = self.sites[(layer, kind)].staging.index_select(0, rows)
@@ -247,29 +295,34 @@ class _CaptureState:
                         total = picked.float().sum(0)
                         entry.sums[name] = entry.sums[name] + total if name in entry.sums else total
                     else:
-                        entry.rows.setdefault(name, []).append(picked.to(dtype))
-                entry.positions.append(positions[mask])
-                entry.seen.update(int(p) for p in positions[mask])
-                self.rows_captured += int(mask.sum())
+                        entry.rows.setdefault(name, []).append(self._to_host(picked.to(dtype)))
+                entry.positions.append(start + offsets)
+                self.rows_captured += len(offsets)
+                copied = True
         if plan.logits_positions is not None:
-            fresh = np.array([int(p) not in entry.logits_seen for p in positions], dtype=bool)
-            mask = position_mask(plan.logits_positions, positions, plan.prompt_len) & fresh
-            if mask.any():
-                rows = torch.from_numpy(lo + np.flatnonzero(mask)).to(self.device)
+            offsets = selected_offsets(plan.logits_positions, start, count, plan.prompt_len)
+            offsets = offsets[offsets >= fresh_from]
+            if len(offsets):
+                rows = torch.from_numpy(lo + offsets).to(self.device, non_blocking=True)
                 normed = self.sites[(None, "ln_final")].staging.index_select(0, rows)
-                entry.logits.append(_vllm.compute_logits(self.runner, normed, self.layout.vocab_size))
-                entry.logits_positions.append(positions[mask])
-                entry.logits_seen.update(int(p) for p in positions[mask])
+                entry.logits.append(self._to_host(_vllm.compute_logits(self.runner, normed, self.layout.vocab_size)))
+                entry.logits_positions.append(start + offsets)
+                copied = True
+        return copied
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
 
     # ------------------------------------------------------------ request lifecycle
 
     def _admit(self, req_id: str) -> _Captured | None:
-        view = _vllm.request_view(self.runner, req_id)
-        wire = view.extra_args.get(PLAN_KEY)
-        if not wire:
+        wire = _vllm.request_extra_args(self.runner, req_id).get(PLAN_KEY)
+        if not wire or wire["key"] in self.closed_keys:  # closed: taken or cancelled already
+            self.unplanned.add(req_id)
             return None
-        if wire["key"] in self.closed_keys:
-            return None  # taken or cancelled while vLLM still ran it for a step
         entry = _Captured(plan=RequestPlan.from_wire(wire))
         self.requests[req_id] = entry
         self.by_key.setdefault(entry.plan.key, []).append(req_id)
@@ -286,42 +339,36 @@ class _CaptureState:
         free = self._free_slots[(id(site), edit.stage)]
         if not free:
             raise RuntimeError(f"all {self.edit_slots} edit slots of {site.point.canonical_name} are in use")
-        edit.slot = slot = free.pop()
-        stage = edit.stage
-        dtype = site.add.dtype
-        if edit.op == "project_out":
-            site.proj[stage, slot] = torch.from_numpy(edit.direction).to(self.device, dtype)
-        elif edit.op == "scale":
-            site.factor[stage, slot] = edit.factor
-        elif edit.op == "add":
-            vector = edit.direction
-            if edit.norm_match:
-                site.add[stage, slot] = torch.from_numpy(vector / np.linalg.norm(vector)).to(self.device, dtype)
-                site.norm_coef[stage, slot] = edit.scale
-            else:
-                site.add[stage, slot] = torch.from_numpy(vector * edit.scale).to(self.device, dtype)
-                site.add_coef[stage, slot] = 1.0
-        entry.slots.append((site, stage, slot))
+        edit.slot = free.pop()
+        site.table[edit.stage, edit.slot] = torch.from_numpy(_table_row(edit, site.d_model)).to(self.device, site.table.dtype)
+        entry.slots.append((site, edit.stage, edit.slot))
 
     def _free(self, entry: _Captured) -> None:
         for site, stage, slot in entry.slots:
-            site.proj[stage, slot] = 0
-            site.factor[stage, slot] = 1
-            site.add[stage, slot] = 0
-            site.add_coef[stage, slot] = 0
-            site.norm_coef[stage, slot] = 0
+            site.table[stage, slot] = torch.from_numpy(_identity_row(site.d_model)).to(self.device, site.table.dtype)
             self._free_slots[(id(site), stage)].append(slot)
         entry.slots.clear()
 
     def _release_finished(self) -> None:
-        """Free the edit slots of requests vLLM has finished (their captures wait for `take`)."""
-        for req_id, entry in self.requests.items():
-            if not entry.finished and not _vllm.has_request(self.runner, req_id):
-                entry.finished = True
-                self._free(entry)
+        """Free the edit slots of requests vLLM has finished; forget those that return nothing
+        (their captures, if any, wait for `take`)."""
+        for req_id in [r for r in self.requests if not _vllm.has_request(self.runner, r)]:
+            entry = self.requests[req_id]
+            self._free(entry)
+            if not entry.returns_data:
+                self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        entry = self.requests.pop(req_id)
+        siblings = self.by_key.get(entry.plan.key, [])
+        if req_id in siblings:
+            siblings.remove(req_id)
+        if not siblings:
+            self.by_key.pop(entry.plan.key, None)
 
     def take(self, key: str) -> list[dict[str, Any]]:
         """Everything captured for the request(s) with this key, then forget them."""
+        began = time.perf_counter()
         self.closed_keys[key] = None
         while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
             self.closed_keys.pop(next(iter(self.closed_keys)))
@@ -329,14 +376,43 @@ class _CaptureState:
         for req_id in sorted(self.by_key.pop(key, [])):
             entry = self.requests.pop(req_id)
             self._free(entry)
+            if entry.copied is not None:
+                entry.copied.synchronize()
             results.append(_result(entry))
+        self.seconds["take"] += time.perf_counter() - began
         return results
 
     def stats(self) -> dict[str, Any]:
-        held = sum(
-            sum(t.numel() * t.element_size() for rows in e.rows.values() for t in rows) for e in self.requests.values()
-        )
-        return {"steps": self.steps, "rows_captured": self.rows_captured, "requests_held": len(self.requests), "bytes_held": held, "time": time.time()}
+        return {
+            "steps": self.steps,
+            "rows_captured": self.rows_captured,
+            "requests_held": len(self.requests),
+            "bytes_held": sum(e.nbytes() for e in self.requests.values()),
+            "seconds": dict(self.seconds),  # worker time outside the forward, for profiling
+            "time": time.time(),
+        }
+
+
+def _identity_row(d_model: int) -> np.ndarray:
+    row = np.zeros(2 * d_model + 3, dtype=np.float32)
+    row[2 * d_model + FACTOR_COLUMN] = 1.0
+    return row
+
+
+def _table_row(edit: EditPlan, d_model: int) -> np.ndarray:
+    """The edit-table row (see replicas.sites) that applies one intervention."""
+    row = _identity_row(d_model)
+    if edit.op == "project_out":
+        row[:d_model] = edit.direction
+    elif edit.op == "scale":
+        row[2 * d_model + FACTOR_COLUMN] = edit.factor
+    elif edit.op == "add" and edit.norm_match:
+        row[d_model : 2 * d_model] = edit.direction / np.linalg.norm(edit.direction)
+        row[2 * d_model + NORM_COEF_COLUMN] = edit.scale
+    elif edit.op == "add":
+        row[d_model : 2 * d_model] = edit.direction * edit.scale
+        row[2 * d_model + ADD_COEF_COLUMN] = 1.0
+    return row  # set: identity row; its values are written per step
 
 
 def _result(entry: _Captured) -> dict[str, Any]:
@@ -386,8 +462,8 @@ class _CaptureWorkerMixin:
         options = _vllm.capserve_options(self.vllm_config)  # type: ignore[attr-defined]
         self.capserve_state = _CaptureState(_vllm.worker_runner(self), options)
 
-    def capserve_take(self, key: str) -> list[dict[str, Any]]:
-        return self.capserve_state.take(key)
+    def capserve_take(self, keys: list[str]) -> dict[str, list[dict[str, Any]]]:
+        return {key: self.capserve_state.take(key) for key in keys}
 
     def capserve_stats(self) -> dict[str, Any]:
         return self.capserve_state.stats()

@@ -10,11 +10,11 @@ import pytest
 
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS, FINAL_NORM_HOOK
-from tests.conftest import ARCHS, MAX_NUM_BATCHED_TOKENS
+from tests.conftest import ACTIVATION_TOL, ARCHS, MAX_NUM_BATCHED_TOKENS
 from tests.hf_reference import hf_activations
 
 pytestmark = pytest.mark.engine
-TOL = 1e-4
+TOL = ACTIVATION_TOL
 
 
 def prompt_ids(n: int, seed: int, vocab: int = 400) -> list[int]:
@@ -100,7 +100,7 @@ def test_32_concurrent_requests_each_equal_the_request_alone(loop, engines):
         assert set(got.activations) == set(alone.activations) == set((request["capture"] or {}).get("hooks", []))
         for name, rows in alone.activations.items():
             assert got.activations[name].dtype == rows.dtype
-            np.testing.assert_allclose(got.activations[name].astype(np.float32), rows.astype(np.float32), atol=2e-5, rtol=0)
+            np.testing.assert_allclose(got.activations[name].astype(np.float32), rows.astype(np.float32), atol=TOL, rtol=0)
 
 
 def test_positions_modes_select_the_right_rows(loop, engines):

@@ -10,12 +10,11 @@ import torch
 
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS
-from tests.conftest import ARCHS
+from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL
 from tests.hf_reference import hf_activations, hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
 
 pytestmark = pytest.mark.engine
-LOGIT_TOL = 1e-3
 D_MODEL = 128
 
 
@@ -188,7 +187,7 @@ def test_patching_the_last_layer_reproduces_the_source_logits(loop, engines):
         "prompt": target, "max_tokens": 1, "logits": {"positions": "prompt"},
         "interventions": [{"hook": hook, "op": "set", "positions": captured.positions, "values": captured.activations[hook]}],
     }))
-    np.testing.assert_allclose(patched.logits, captured.logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(patched.logits, captured.logits, atol=ACTIVATION_TOL, rtol=0)
     unpatched = loop.run(engine.generate({"prompt": target, "max_tokens": 1, "logits": {"positions": "prompt"}}))
     assert np.abs(unpatched.logits - captured.logits).max() > 1e-2
 

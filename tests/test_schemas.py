@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from replicas import arrays
 from replicas.api import GenerateRequest, Intervention
 from replicas.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
-from replicas.plans import PlanError, build_wire_plan, position_mask, value_rows
+from replicas.plans import PlanError, build_wire_plan, selected_offsets, value_rows
 
 
 @pytest.mark.parametrize(
@@ -72,12 +72,15 @@ def test_bad_interventions_name_the_problem(edit, message):
         Intervention.model_validate(edit)
 
 
-def test_position_masks():
-    positions = np.arange(3, 9)  # a chunk of a 5-token prompt followed by generated tokens
-    assert position_mask("prompt", positions, 5).tolist() == [1, 1, 0, 0, 0, 0]
-    assert position_mask("generated", positions, 5).tolist() == [0, 0, 1, 1, 1, 1]
-    assert position_mask("last_prompt", positions, 5).tolist() == [0, 1, 0, 0, 0, 0]
-    assert position_mask([-1, 7], positions, 5).tolist() == [0, 1, 0, 0, 1, 0]
+def test_selected_offsets():
+    # a chunk of 6 rows at positions 3..8: the end of a 5-token prompt, then generated tokens
+    assert selected_offsets("all", 3, 6, 5).tolist() == [0, 1, 2, 3, 4, 5]
+    assert selected_offsets("prompt", 3, 6, 5).tolist() == [0, 1]
+    assert selected_offsets("generated", 3, 6, 5).tolist() == [2, 3, 4, 5]
+    assert selected_offsets("last_prompt", 3, 6, 5).tolist() == [1]
+    assert selected_offsets("last_prompt", 6, 1, 5).tolist() == []
+    assert selected_offsets("prompt", 7, 1, 5).tolist() == []
+    assert selected_offsets([7, -1], 3, 6, 5).tolist() == [1, 4]
     assert value_rows([-1, 7], np.array([4, 7]), 5, 2).tolist() == [0, 1]
     assert value_rows("generated", np.array([6, 7]), 5, 4).tolist() == [1, 2]
 

@@ -1,0 +1,53 @@
+"""The graph-safe path: hooks traced into a compiled model give what the eager engine gives.
+
+On CPU vLLM traces the model once with Dynamo (no CUDA graphs), which freezes any Python the
+hooks run: a hook that branched on the step's requests would keep its first decision forever.
+The GPU suite runs every engine test with CUDA graphs as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.conftest import ACTIVATION_TOL, LOGIT_TOL
+from tests.test_engine_capture import prompt_ids
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def compiled(loop, tiny_models):
+    from replicas.engine import CaptureEngine, EngineConfig
+
+    config = EngineConfig(
+        model=tiny_models["llama"], dtype="float32", max_model_len=512, max_num_seqs=64, edit_stages=2,
+        kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.25, enforce_eager=False,
+        engine_kwargs={"compilation_config": {"backend": "eager"}},  # trace with Dynamo, skip Inductor's slow CPU build
+    )
+    engine = loop.run(CaptureEngine.start(config, name="compiled"))
+    yield engine
+    loop.run(engine.shutdown())
+
+
+def test_compiled_engine_matches_eager_for_captures_edits_and_logits(loop, engines, compiled):
+    hooks = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "2:attn_out", "3:mlp_out", "ln_final.hook_normalized"]
+    steer = {"hook": "blocks.1.hook_resid_pre", "op": "add", "vector": np.linspace(-1, 1, 128), "positions": "generated"}
+    patch = {"hook": "blocks.2.hook_resid_mid", "op": "set", "positions": [2, -1], "values": np.ones((2, 128))}
+    plain = {"prompt": prompt_ids(30, 80), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+             "capture": {"hooks": hooks}, "logits": {"positions": "all"}}
+    requests = [plain, plain | {"interventions": [steer, patch]}, plain | {"prompt": prompt_ids(9, 81)}]
+
+    async def both(engine):
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    results = loop.run(both(compiled))
+    for got, want in zip(results, loop.run(both(engines["llama"]))):
+        assert got.token_ids == want.token_ids
+        for name in hooks:
+            np.testing.assert_allclose(got.activations[name], want.activations[name], atol=ACTIVATION_TOL, rtol=0)
+        np.testing.assert_allclose(got.logits, want.logits, atol=LOGIT_TOL, rtol=0)
+    steered, unsteered = results[1], results[0]
+    assert np.abs(steered.logits - unsteered.logits).max() > 1e-2
