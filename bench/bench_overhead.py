@@ -5,8 +5,9 @@
 Every case runs the same token-id prompts through an AsyncLLM-backed engine with the same
 settings (TP 1, prefix caching off, dummy bf16 weights, ignore_eos) and reports total tokens per
 second (prompt + generated) and the ratio to plain vLLM with CUDA graphs:
-plain vLLM (CUDA graphs), plain vLLM (eager), capserve with no capture, resid_post at one layer
-for all positions, resid_post at every layer for the last prompt token, and one steering vector.
+plain vLLM (CUDA graphs), plain vLLM (eager); a capture deployment (resid_post armed) with no
+capture, resid_post at one layer for all positions and at every layer for the last prompt token;
+a steering deployment (resid_post armed for edits too) with no edit and with one steering vector.
 """
 
 from __future__ import annotations
@@ -25,8 +26,20 @@ VOCAB = 400  # prompt token ids are drawn below this, valid for every config her
 ENGINE_SETTINGS = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=512, gpu_memory_utilization=0.85, seed=0)
 
 
-def capserve_cases(n_layers: int, d_model: int) -> dict[str, dict[str, Any]]:
+def capserve_cases(n_layers: int, d_model: int, steer: bool) -> dict[str, dict[str, Any]]:
+    """Requests for a capture deployment (resid_post armed for capture) or a steering one (armed
+    for capture and interventions)."""
     middle = n_layers // 2
+    if steer:
+        return {
+            "capserve steering deployment, no edit": {},
+            "steer 1 vector, 1 layer": {
+                "interventions": [
+                    {"hook": f"blocks.{middle}.hook_resid_post", "op": "add", "scale": 0.1,
+                     "vector": np.random.default_rng(0).standard_normal(d_model).astype(np.float32)}
+                ]
+            },
+        }
     return {
         "capserve, no capture": {},
         "capture resid_post 1 layer, all positions": {
@@ -34,12 +47,6 @@ def capserve_cases(n_layers: int, d_model: int) -> dict[str, dict[str, Any]]:
         },
         "capture resid_post all layers, last_prompt": {
             "capture": {"hooks": [f"blocks.{i}.hook_resid_post" for i in range(n_layers)], "positions": "last_prompt"}
-        },
-        "steer 1 vector, 1 layer": {
-            "interventions": [
-                {"hook": f"blocks.{middle}.hook_resid_post", "op": "add", "scale": 0.1,
-                 "vector": np.random.default_rng(0).standard_normal(d_model).astype(np.float32)}
-            ]
         },
     }
 
@@ -80,18 +87,18 @@ async def plain_vllm(model: str, eager: bool, workloads: list[Workload]) -> dict
     return out
 
 
-async def capserve(model: str, workloads: list[Workload], armed: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+async def capserve(model: str, workloads: list[Workload], armed: list[str], steer: bool) -> dict[str, dict[str, dict[str, float]]]:
     from replicas.engine import CaptureEngine, EngineConfig
 
     engine = await CaptureEngine.start(
-        EngineConfig(model=model, load_format="dummy", armed_kinds=armed, max_capture_bytes=1 << 30,
-                     engine_kwargs={"skip_tokenizer_init": True}, **ENGINE_SETTINGS)
+        EngineConfig(model=model, load_format="dummy", armed_kinds=armed, steer_kinds=armed if steer else [],
+                     max_capture_bytes=1 << 30, engine_kwargs={"skip_tokenizer_init": True}, **ENGINE_SETTINGS)
     )
     info = await engine.info()
     out: dict[str, dict[str, dict[str, float]]] = {}
     try:
         for workload in workloads:
-            for case, extra in capserve_cases(info.n_layers, info.d_model).items():
+            for case, extra in capserve_cases(info.n_layers, info.d_model, steer).items():
                 base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | extra
 
                 async def submit(prompt: list[int]) -> Any:
@@ -122,8 +129,9 @@ def main() -> None:
         for workload, result in asyncio.run(plain_vllm(model, eager, workloads)).items():
             rows[workload][name] = result
         gc.collect()
-    for workload, cases in asyncio.run(capserve(model, workloads, args.armed)).items():
-        rows[workload].update(cases)
+    for steer in (False, True):
+        for workload, cases in asyncio.run(capserve(model, workloads, args.armed, steer)).items():
+            rows[workload].update(cases)
 
     for workload, cases in rows.items():
         base = cases["plain vLLM, CUDA graphs"]["tok_per_s"]

@@ -52,7 +52,14 @@ class EngineConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA graphs on GPU.")
     load_format: str = "auto"
     seed: int = 0
-    armed_kinds: list[LayerKind] = Field(default_factory=lambda: list(LAYER_KINDS), description="Hook kinds installed on every layer.")
+    armed_kinds: list[LayerKind] = Field(
+        default_factory=lambda: list(LAYER_KINDS),
+        description="Hook kinds capturable on every layer; each costs one row copy per step inside the graph.",
+    )
+    steer_kinds: list[LayerKind] | None = Field(
+        None,
+        description="Armed kinds that accept interventions (default: all armed); each costs one edit pass per step.",
+    )
     edit_stages: int = Field(1, ge=0, le=8, description="Edits one request may stack at one hook; each costs a pass over the rows of every armed site.")
     edit_slots: int = Field(64, ge=1, description="Requests with interventions running at once.")
     max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
@@ -85,12 +92,21 @@ class EngineConfig(BaseModel):
         args["additional_config"] = {
             "capserve": {
                 "armed_kinds": list(self.armed_kinds),
+                "steer_kinds": self.steerable_kinds(),
                 "edit_stages": self.edit_stages,
                 "edit_slots": self.edit_slots,
                 "eager": eager,
             }
         }
         return args
+
+    def steerable_kinds(self) -> list[str]:
+        if self.steer_kinds is None:
+            return list(self.armed_kinds)
+        unarmed = set(self.steer_kinds) - set(self.armed_kinds)
+        if unarmed:
+            raise ValueError(f"steer_kinds {sorted(unarmed)} are not in armed_kinds {self.armed_kinds}")
+        return list(self.steer_kinds)
 
     def _optional(self) -> dict[str, Any]:
         return {
@@ -195,6 +211,7 @@ class CaptureEngine:
                 n_layers=self._info.n_layers,
                 d_model=self._info.d_model,
                 armed_kinds=set(self.config.armed_kinds),
+                steer_kinds=set(self.config.steerable_kinds()),
                 edit_stages=self.config.edit_stages,
                 max_capture_bytes=self.config.max_capture_bytes,
             )

@@ -29,9 +29,9 @@ class PlanError(InvalidRequestError):
 # ---------------------------------------------------------------- positions
 
 
-def selected_offsets(spec: Positions, start: int, count: int, prompt_len: int) -> np.ndarray:
-    """Offsets (0..count-1, ascending) of the rows a spec selects in a chunk of `count` rows whose
-    first row is at absolute position `start`. Modes are ranges, so the common cases do no search."""
+def selected_range(spec: Positions, start: int, count: int, prompt_len: int) -> tuple[int, int] | None:
+    """For a position mode, the offsets [a, b) it selects in a chunk of `count` rows whose first
+    row is at absolute position `start` (modes are ranges, so no search); None for explicit indices."""
     end = start + count
     if spec == "all":
         lo, hi = start, end
@@ -42,9 +42,17 @@ def selected_offsets(spec: Positions, start: int, count: int, prompt_len: int) -
     elif spec == "last_prompt":
         lo, hi = max(start, prompt_len - 1), min(end, prompt_len)
     else:
-        wanted = np.unique(absolute_indices(spec, prompt_len))  # type: ignore[arg-type]
-        return wanted[(wanted >= start) & (wanted < end)] - start
-    return np.arange(lo - start, max(hi, lo) - start)
+        return None
+    return lo - start, max(hi, lo) - start
+
+
+def selected_offsets(spec: Positions, start: int, count: int, prompt_len: int) -> np.ndarray:
+    """Offsets (ascending) of the rows a spec selects in such a chunk."""
+    span = selected_range(spec, start, count, prompt_len)
+    if span is not None:
+        return np.arange(*span)
+    wanted = np.unique(absolute_indices(spec, prompt_len))  # type: ignore[arg-type]
+    return wanted[(wanted >= start) & (wanted < start + count)] - start
 
 
 def absolute_indices(indices: list[int], prompt_len: int) -> np.ndarray:
@@ -108,6 +116,7 @@ def build_wire_plan(
     n_layers: int,
     d_model: int,
     armed_kinds: set[str],
+    steer_kinds: set[str],
     edit_stages: int,
     max_capture_bytes: int,
 ) -> WirePlan | None:
@@ -137,11 +146,11 @@ def build_wire_plan(
     if logits is not None:
         check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
         plan["logits"] = {"positions": logits.positions}
-    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, armed_kinds, edit_stages)
+    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, edit_stages)
     return plan
 
 
-def _armed_point(field_name: str, name: str, n_layers: int, armed_kinds: set[str]) -> HookPoint:
+def _armed_point(field_name: str, name: str, n_layers: int, armed_kinds: set[str], option: str = "armed_kinds") -> HookPoint:
     try:
         point = resolve_hook(name, n_layers)
     except ValueError as exc:
@@ -149,19 +158,19 @@ def _armed_point(field_name: str, name: str, n_layers: int, armed_kinds: set[str
     if point.kind != "ln_final" and point.kind not in armed_kinds:
         raise PlanError(
             f"{field_name}: hook {name!r} is of kind {point.kind!r}, which this deployment has not "
-            f"armed; armed kinds: {sorted(armed_kinds)} (engine option armed_kinds)"
+            f"armed; armed kinds: {sorted(armed_kinds)} (engine option {option})"
         )
     return point
 
 
 def _wire_edits(
-    request: GenerateRequest, prompt_len: int, n_layers: int, d_model: int, armed_kinds: set[str], edit_stages: int
+    request: GenerateRequest, prompt_len: int, n_layers: int, d_model: int, steer_kinds: set[str], edit_stages: int
 ) -> list[dict[str, Any]]:
     edits: list[dict[str, Any]] = []
     stages: dict[HookPoint, int] = {}
     for i, edit in enumerate(request.interventions):
         where = f"interventions[{i}]"
-        point = _armed_point(f"{where}.hook", edit.hook, n_layers, armed_kinds)
+        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds")
         check_positions(f"{where}.positions", edit.positions, prompt_len, request.max_tokens)
         for name in ("vector", "values"):
             array = getattr(edit, name)
@@ -221,14 +230,17 @@ class EditPlan:
     factor: float = 1.0
     slot: int = 0  # assigned by the worker
 
-    def offsets(self, start: int, count: int, prompt_len: int) -> np.ndarray:
-        """Rows of a chunk this edit touches: its positions, limited to its phase."""
+    def offsets(self, start: int, count: int, prompt_len: int) -> slice | np.ndarray:
+        """Rows of a chunk this edit touches (its positions within its phase): a slice for
+        position modes, which is all a decode step of a steered request needs."""
+        phase = {"prefill": "prompt", "decode": "generated"}.get(self.phase, "all")
+        phase_span = selected_range(phase, start, count, prompt_len)
+        span = selected_range(self.positions, start, count, prompt_len)
+        if span is not None and phase_span is not None:
+            lo, hi = max(span[0], phase_span[0]), min(span[1], phase_span[1])
+            return slice(lo, max(lo, hi))
         offsets = selected_offsets(self.positions, start, count, prompt_len)
-        if self.phase == "prefill":
-            return offsets[start + offsets < prompt_len]
-        if self.phase == "decode":
-            return offsets[start + offsets >= prompt_len]
-        return offsets
+        return offsets[(offsets >= phase_span[0]) & (offsets < phase_span[1])]
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,6 @@ class _Captured:
     # Rows below this position were already seen: a request recomputed after preemption
     # runs them again, and they must not be recorded twice.
     processed_upto: int = 0
-    copied: Any = None  # event after the last device-to-host copy (CUDA only)
     slots: list[tuple[Site, int, int]] = field(default_factory=list)  # (site, stage, slot)
     error: str | None = None
 
@@ -58,8 +58,17 @@ class _Captured:
 
 
 @dataclass
+class _PendingCopy:
+    """One step's gathered rows on their way to host memory."""
+
+    event: Any  # CUDA event recorded after the copies; None on CPU
+    tensors: list[torch.Tensor]
+    parts: list[tuple[str, "_Captured", str, int, int, int]]  # (kind, entry, name, tensor, lo, hi)
+
+
+@dataclass
 class _RowEdit:
-    rows: np.ndarray  # rows of the step's flattened batch
+    rows: slice | np.ndarray  # rows of the step's flattened batch
     edit: EditPlan
     values: np.ndarray | None  # set: one value row per edited row
 
@@ -71,6 +80,7 @@ class _CaptureState:
         self.device = _vllm.runner_device(runner)
         self.max_tokens = _vllm.max_num_tokens(runner)
         self.armed_kinds = list(options.get("armed_kinds") or LAYER_KINDS)
+        steer_kinds = set(options.get("steer_kinds", self.armed_kinds))
         self.edit_stages = int(options.get("edit_stages", 1))
         self.edit_slots = int(options.get("edit_slots", 64))
         self.eager = bool(options.get("eager", False))
@@ -83,7 +93,8 @@ class _CaptureState:
         for layer in range(len(self.layout.layers)):
             for kind in self.armed_kinds:
                 point = HookPoint(layer, kind)  # type: ignore[arg-type]
-                self.sites[point] = Site(point, edit_stages=self.edit_stages, capture=True, **site_args)
+                stages = self.edit_stages if kind in steer_kinds else 0
+                self.sites[point] = Site(point, edit_stages=stages, capture=True, **site_args)
         final = HookPoint(None, "ln_final")
         self.sites[final] = Site(final, edit_stages=0, capture=True, **site_args)
         self._free_slots = {
@@ -94,6 +105,7 @@ class _CaptureState:
         self.unplanned: set[str] = set()  # running requests that asked for nothing
         self.closed_keys: dict[str, None] = {}  # insertion-ordered set of taken keys
         self._dirty_rows: dict[Site, int] = {}
+        self._pending: deque[_PendingCopy] = deque()
         self._step: _vllm.StepLayout | None = None
         self.steps = 0
         self.rows_captured = 0
@@ -142,7 +154,9 @@ class _CaptureState:
             attn = output if out_site is None else out_site(output)
             if mid is not None:
                 value = layer.capserve_resid_pre_value + attn
-                attn = attn + (mid(value) - value)
+                edited = mid(value)
+                if mid.edit_stages:
+                    attn = attn + (edited - value)
             return attn
 
         return hook
@@ -163,7 +177,8 @@ class _CaptureState:
             if isinstance(output, tuple):
                 mlp_out, residual = output
                 value = mlp_out + residual
-                return (mlp_out + (site(value) - value), residual)
+                edited = site(value)
+                return (mlp_out + (edited - value), residual) if site.edit_stages else output
             return site(output)
 
         return hook
@@ -203,22 +218,38 @@ class _CaptureState:
             plan = entry.plan
             if self.eager:
                 captured.update(self._captured_sites(plan))
+            if not plan.edits:
+                continue
             lo = int(step.offsets[k])
             start, count = int(step.start_positions[k]), int(step.offsets[k + 1]) - lo
             for edit in plan.edits:
-                offsets = edit.offsets(start, count, plan.prompt_len)
-                if len(offsets) == 0:
+                rows = edit.offsets(start, count, plan.prompt_len)
+                if isinstance(rows, slice):
+                    if rows.start == rows.stop:
+                        continue
+                    rows = slice(lo + rows.start, lo + rows.stop)
+                elif len(rows):
+                    rows = lo + rows
+                else:
                     continue
                 values = None
                 if edit.op == "set":
-                    values = edit.values[value_rows(edit.positions, start + offsets, plan.prompt_len, len(edit.values))]
-                edits.setdefault(self.sites[edit.site], []).append(_RowEdit(lo + offsets, edit, values))
+                    positions = start - lo + (np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows)
+                    values = edit.values[value_rows(edit.positions, positions, plan.prompt_len, len(edit.values))]
+                edits.setdefault(self.sites[edit.site], []).append(_RowEdit(rows, edit, values))
         if self.eager:  # compiled graphs never read these flags; eager mode skips idle sites
             for site in self.sites.values():
                 site.run_capture = site in captured
                 site.run_edits = site in edits
         if edits or self._dirty_rows:
             self._write_edit_rows(edits, step.num_tokens)
+
+    def after_step(self) -> None:
+        began = time.perf_counter()
+        try:
+            self._collect_step()
+        finally:
+            self.seconds["collect"] += time.perf_counter() - began
 
     def _captured_sites(self, plan: RequestPlan) -> list[Site]:
         sites = [self.sites[(layer, kind)] for layer, kind, _ in plan.capture.sites] if plan.capture else []
@@ -241,78 +272,102 @@ class _CaptureState:
                 slot[row_edit.edit.stage, row_edit.rows] = row_edit.edit.slot
                 if row_edit.values is not None:
                     set_stage[row_edit.rows] = row_edit.edit.stage
-                    site.values[torch.from_numpy(row_edit.rows).to(self.device)] = torch.from_numpy(
-                        row_edit.values
-                    ).to(self.device, site.values.dtype)
+                    site.values[row_edit.rows if isinstance(row_edit.rows, slice) else torch.from_numpy(row_edit.rows)] = (
+                        torch.from_numpy(row_edit.values).to(self.device, site.values.dtype)
+                    )
             site.slot[:, :width].copy_(torch.from_numpy(slot), non_blocking=True)
             site.set_stage[:width].copy_(torch.from_numpy(set_stage), non_blocking=True)
             self._dirty_rows[site] = num_tokens
 
-    def after_step(self) -> None:
-        began = time.perf_counter()
-        try:
-            self._collect_step()
-        finally:
-            self.seconds["collect"] += time.perf_counter() - began
-
     def _collect_step(self) -> None:
+        """Gather what every request asked for in one index_select per hook, reduce on the
+        device, and start one copy to host per hook; the rows reach their requests when the copy
+        is done (`_drain`)."""
         step = self._step
         if not self.requests or step is None:
             return
-        copied = False
+        groups: dict[tuple, list[tuple[_Captured, str, np.ndarray]]] = {}
         for k, req_id in enumerate(step.req_ids):
             entry = self.requests.get(req_id)
             if entry is None or entry.error or not entry.returns_data:
                 continue
             lo = int(step.offsets[k])
             start, count = int(step.start_positions[k]), int(step.offsets[k + 1]) - lo
-            try:
-                copied |= self._collect(entry, lo, start, count)
-            except Exception as exc:  # a failed capture fails its request, loudly, not the engine
-                entry.error = f"capture failed in the worker: {type(exc).__name__}: {exc}"
-        if copied and self.device.type == "cuda":
+            fresh_from = max(entry.processed_upto - start, 0)
+            entry.processed_upto = max(entry.processed_upto, start + count)
+            plan = entry.plan
+            if plan.capture is not None:
+                offsets = selected_offsets(plan.capture.positions, start, count, plan.prompt_len)
+                offsets = offsets[offsets >= fresh_from]
+                if len(offsets):
+                    entry.positions.append(start + offsets)
+                    self.rows_captured += len(offsets)
+                    for layer, kind, name in plan.capture.sites:
+                        group = ("rows", layer, kind, plan.capture.dtype, plan.capture.reduce)
+                        groups.setdefault(group, []).append((entry, name, lo + offsets))
+            if plan.logits_positions is not None:
+                offsets = selected_offsets(plan.logits_positions, start, count, plan.prompt_len)
+                offsets = offsets[offsets >= fresh_from]
+                if len(offsets):
+                    entry.logits_positions.append(start + offsets)
+                    groups.setdefault(("logits",), []).append((entry, "", lo + offsets))
+        if groups:
+            self._pending.append(self._gather(groups))
+            self._drain(wait=self.device.type != "cuda")
+
+    def _gather(self, groups: dict[tuple, list[tuple[_Captured, str, np.ndarray]]]) -> "_PendingCopy":
+        parts: list[tuple[str, _Captured, str, int, int]] = []
+        tensors: list[torch.Tensor] = []
+        for group, members in groups.items():
+            rows = torch.from_numpy(np.concatenate([m[2] for m in members])).to(self.device, non_blocking=True)
+            if group[0] == "logits":
+                normed = self.sites[(None, "ln_final")].staging.index_select(0, rows)
+                picked, kind = _vllm.compute_logits(self.runner, normed, self.layout.vocab_size), "logits"
+            else:
+                _, layer, site_kind, dtype, reduce = group
+                picked = self.sites[(layer, site_kind)].staging.index_select(0, rows)
+                kind = "sum" if reduce == "mean" else "rows"
+                if reduce == "mean":  # one summed row per request, reduced on the device
+                    segments = np.repeat(np.arange(len(members)), [len(m[2]) for m in members])
+                    summed = torch.zeros(len(members), picked.shape[1], dtype=torch.float32, device=self.device)
+                    picked = summed.index_add_(0, torch.from_numpy(segments).to(self.device), picked.float())
+                else:
+                    picked = picked.to(TORCH_DTYPES[dtype])
+            offset = 0
+            for entry, name, member_rows in members:
+                n = 1 if kind == "sum" else len(member_rows)
+                parts.append((kind, entry, name, len(tensors), offset, offset + n))
+                offset += n
+            tensors.append(self._to_host(picked))
+        event = None
+        if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-            for req_id in step.req_ids:
-                if req_id in self.requests:
-                    self.requests[req_id].copied = event
+        return _PendingCopy(event, tensors, parts)
 
-    def _collect(self, entry: _Captured, lo: int, start: int, count: int) -> bool:
-        """Gather this step's wanted rows on the device and start their copy to the host."""
-        plan = entry.plan
-        fresh_from = max(entry.processed_upto - start, 0)
-        entry.processed_upto = max(entry.processed_upto, start + count)
-        copied = False
-        if plan.capture is not None:
-            offsets = selected_offsets(plan.capture.positions, start, count, plan.prompt_len)
-            offsets = offsets[offsets >= fresh_from]
-            if len(offsets):
-                rows = torch.from_numpy(lo + offsets).to(self.device, non_blocking=True)
-                dtype = TORCH_DTYPES[plan.capture.dtype]
-                for layer, kind, name in plan.capture.sites:
-                    picked = self.sites[(layer, kind)].staging.index_select(0, rows)
-                    if plan.capture.reduce == "mean":
-                        total = picked.float().sum(0)
-                        entry.sums[name] = entry.sums[name] + total if name in entry.sums else total
-                    else:
-                        entry.rows.setdefault(name, []).append(self._to_host(picked.to(dtype)))
-                entry.positions.append(start + offsets)
-                self.rows_captured += len(offsets)
-                copied = True
-        if plan.logits_positions is not None:
-            offsets = selected_offsets(plan.logits_positions, start, count, plan.prompt_len)
-            offsets = offsets[offsets >= fresh_from]
-            if len(offsets):
-                rows = torch.from_numpy(lo + offsets).to(self.device, non_blocking=True)
-                normed = self.sites[(None, "ln_final")].staging.index_select(0, rows)
-                entry.logits.append(self._to_host(_vllm.compute_logits(self.runner, normed, self.layout.vocab_size)))
-                entry.logits_positions.append(start + offsets)
-                copied = True
-        return copied
+    def _drain(self, wait: bool) -> None:
+        """Hand finished copies to their requests, oldest first (waiting for them if asked)."""
+        while self._pending:
+            pending = self._pending[0]
+            if pending.event is not None and not pending.event.query():
+                if not wait:
+                    return
+                pending.event.synchronize()
+            self._pending.popleft()
+            for kind, entry, name, index, lo, hi in pending.parts:
+                host = pending.tensors[index][lo:hi]
+                if kind == "logits":
+                    entry.logits.append(host.clone())
+                elif kind == "sum":
+                    entry.sums[name] = entry.sums[name] + host[0] if name in entry.sums else host[0].clone()
+                else:
+                    entry.rows.setdefault(name, []).append(host.clone())
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
             return tensor
+        # pinned, so the copy overlaps the next step; the caching host allocator reuses the
+        # block once `_drain` has cloned the rows out of it
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor, non_blocking=True)
 
@@ -372,12 +427,11 @@ class _CaptureState:
         self.closed_keys[key] = None
         while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
             self.closed_keys.pop(next(iter(self.closed_keys)))
+        self._drain(wait=True)
         results = []
         for req_id in sorted(self.by_key.pop(key, [])):
             entry = self.requests.pop(req_id)
             self._free(entry)
-            if entry.copied is not None:
-                entry.copied.synchronize()
             results.append(_result(entry))
         self.seconds["take"] += time.perf_counter() - began
         return results
@@ -416,30 +470,23 @@ def _table_row(edit: EditPlan, d_model: int) -> np.ndarray:
 
 
 def _result(entry: _Captured) -> dict[str, Any]:
-    """The wire form of one request's captures (bytes, dtypes and shapes; no pickle)."""
-    positions = np.concatenate(entry.positions) if entry.positions else np.zeros(0, dtype=np.int64)
-    order = np.argsort(positions, kind="stable")
+    """The wire form of one request's captures (bytes, dtypes and shapes; no pickle). Rows arrive
+    in position order: chunks run in order and re-run rows are skipped."""
+    positions = np.concatenate(entry.positions).tolist() if entry.positions else []
     activations = {}
-    if entry.plan.capture is not None:
-        for _layer, _kind, name in entry.plan.capture.sites:
-            if entry.plan.capture.reduce == "mean":
-                total = entry.sums.get(name)
-                mean = total / max(len(positions), 1) if total is not None else torch.zeros(0)
-                activations[name] = arrays.to_raw(_to_numpy(mean.to(TORCH_DTYPES[entry.plan.capture.dtype])))
-            else:
-                rows = entry.rows.get(name)
-                stacked = torch.cat(rows)[torch.from_numpy(order).to(rows[0].device)] if rows else torch.zeros(0)
-                activations[name] = arrays.to_raw(_to_numpy(stacked))
-    logits_positions = np.concatenate(entry.logits_positions) if entry.logits_positions else np.zeros(0, dtype=np.int64)
-    logits = None
-    if entry.logits:
-        logits_order = torch.from_numpy(np.argsort(logits_positions, kind="stable"))
-        logits = arrays.to_raw(_to_numpy(torch.cat(entry.logits)[logits_order.to(entry.logits[0].device)]))
+    capture = entry.plan.capture
+    for _layer, _kind, name in capture.sites if capture is not None else ():
+        if capture.reduce == "mean":
+            total = entry.sums.get(name, torch.zeros(0))
+            array = (total / max(len(positions), 1)).to(TORCH_DTYPES[capture.dtype])
+        else:
+            array = torch.cat(entry.rows[name]) if name in entry.rows else torch.zeros(0, dtype=TORCH_DTYPES[capture.dtype])
+        activations[name] = arrays.to_raw(_to_numpy(array))
     return {
-        "positions": np.sort(positions).astype(np.int64).tolist(),
+        "positions": positions,
         "activations": activations,
-        "logits": logits,
-        "logits_positions": np.sort(logits_positions).astype(np.int64).tolist(),
+        "logits": arrays.to_raw(_to_numpy(torch.cat(entry.logits))) if entry.logits else None,
+        "logits_positions": np.concatenate(entry.logits_positions).tolist() if entry.logits_positions else [],
         "error": entry.error,
     }
 

@@ -86,14 +86,17 @@ def test_selected_offsets():
 
 
 def plan(request: dict, **overrides):
-    options = dict(prompt_len=10, n_layers=4, d_model=4, armed_kinds={"resid_post"}, edit_stages=1, max_capture_bytes=1000)
+    options = dict(prompt_len=10, n_layers=4, d_model=4, armed_kinds={"resid_post", "mlp_out"}, steer_kinds={"resid_post"},
+                   edit_stages=1, max_capture_bytes=1000)
     return build_wire_plan("k", GenerateRequest.model_validate({"prompt": [1] * 10} | request), **(options | overrides))
 
 
 def test_plans_reject_what_the_model_or_deployment_cannot_serve():
     assert plan({}) is None
     with pytest.raises(PlanError, match="has not armed"):
-        plan({"capture": {"hooks": ["0:mlp_out"]}})
+        plan({"capture": {"hooks": ["0:attn_out"]}})
+    with pytest.raises(PlanError, match="steer_kinds"):
+        plan({"interventions": [{"hook": "0:mlp_out", "op": "scale", "factor": 2.0}]})
     with pytest.raises(PlanError, match="outside the sequence"):
         plan({"max_tokens": 2, "capture": {"hooks": ["0:resid_post"], "positions": [11]}})
     with pytest.raises(PlanError, match="max_capture_bytes=1000"):
