@@ -12,6 +12,7 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
 T = TypeVar("T")
@@ -20,19 +21,35 @@ MAX_NUM_BATCHED_TOKENS = 128  # small, so prompts past it exercise chunked prefi
 
 
 def _on_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+    # Not torch.cuda.is_available(): initializing CUDA here would break vLLM's forked engine process.
+    return os.path.exists("/dev/nvidiactl")
 
 
-# fp32 against HF fp32. On the GPU host vLLM's attention kernels multiply in TF32 (~1e-3
-# relative), so the GPU suite compares at TF32 precision.
+# fp32 against HF fp32 to 1e-4 on CPU. On the GPU host vLLM's kernels multiply fp32 in TF32 and
+# pick kernels by batch size, so the GPU suite compares by relative error at TF32 precision and
+# cannot ask a request batched with others to be bit-identical to the same request alone.
 ON_GPU = _on_gpu()
-ACTIVATION_TOL = 5e-3 if ON_GPU else 1e-4
-LOGIT_TOL = 2e-2 if ON_GPU else 1e-3
+ACTIVATION_TOL = 1e-4
+LOGIT_TOL = 1e-3
+GPU_RELATIVE_TOL = 3e-3
+
+
+def assert_close(actual, desired, atol: float, rtol: float = 0.0, err_msg: str = "") -> None:
+    actual, desired = np.asarray(actual, dtype=np.float32), np.asarray(desired, dtype=np.float32)
+    if not ON_GPU:
+        np.testing.assert_allclose(actual, desired, atol=atol, rtol=rtol, err_msg=err_msg)
+        return
+    assert actual.shape == desired.shape, (actual.shape, desired.shape, err_msg)
+    error = np.linalg.norm(actual - desired) / max(np.linalg.norm(desired), 1e-12)
+    assert error <= max(GPU_RELATIVE_TOL, rtol), f"relative error {error:.2e} {err_msg}"
+
+
+def assert_same(actual, desired) -> None:
+    """Bit-identical on CPU; at TF32 precision on the GPU (kernels depend on the batch)."""
+    if ON_GPU:
+        assert_close(actual, desired, atol=0.0)
+    else:
+        np.testing.assert_array_equal(actual, desired)
 
 
 class LoopThread:

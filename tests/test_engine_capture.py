@@ -10,7 +10,7 @@ import pytest
 
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS, FINAL_NORM_HOOK
-from tests.conftest import ACTIVATION_TOL, ARCHS, MAX_NUM_BATCHED_TOKENS
+from tests.conftest import ACTIVATION_TOL, ARCHS, MAX_NUM_BATCHED_TOKENS, assert_close
 from tests.hf_reference import hf_activations
 
 pytestmark = pytest.mark.engine
@@ -50,8 +50,8 @@ def test_every_hook_matches_hf_on_prompt_and_generated_rows(loop, engines, tiny_
         for kind in LAYER_KINDS:
             got = result.activations[f"blocks.{i}.hook_{kind}"]
             assert got.shape == (len(fed), info.d_model)
-            np.testing.assert_allclose(got, reference[(i, kind)], atol=TOL, rtol=0, err_msg=f"{arch} layer {i} {kind}")
-    np.testing.assert_allclose(result.activations[FINAL_NORM_HOOK], reference[(None, "ln_final")], atol=TOL, rtol=0)
+            assert_close(got, reference[(i, kind)], atol=TOL, rtol=0, err_msg=f"{arch} layer {i} {kind}")
+    assert_close(result.activations[FINAL_NORM_HOOK], reference[(None, "ln_final")], atol=TOL, rtol=0)
 
 
 def test_aliases_and_wire_keys_are_echoed_and_equal(loop, engines):
@@ -100,7 +100,7 @@ def test_32_concurrent_requests_each_equal_the_request_alone(loop, engines):
         assert set(got.activations) == set(alone.activations) == set((request["capture"] or {}).get("hooks", []))
         for name, rows in alone.activations.items():
             assert got.activations[name].dtype == rows.dtype
-            np.testing.assert_allclose(got.activations[name].astype(np.float32), rows.astype(np.float32), atol=TOL, rtol=0)
+            assert_close(got.activations[name].astype(np.float32), rows.astype(np.float32), atol=TOL, rtol=0)
 
 
 def test_positions_modes_select_the_right_rows(loop, engines):
@@ -114,13 +114,13 @@ def test_positions_modes_select_the_right_rows(loop, engines):
         spec_value = list(spec) if isinstance(spec, tuple) else spec
         got = loop.run(engine.generate(base | {"capture": {"hooks": ["1:resid_post"], "positions": spec_value}}))
         assert got.positions == positions, spec
-        np.testing.assert_allclose(got.activations["1:resid_post"], rows[positions], atol=TOL, rtol=0)
+        assert_close(got.activations["1:resid_post"], rows[positions], atol=TOL, rtol=0)
     mean = loop.run(engine.generate(base | {"capture": {"hooks": ["1:resid_post"], "positions": "prompt", "reduce": "mean"}}))
     assert mean.activations["1:resid_post"].shape == (rows.shape[1],)
-    np.testing.assert_allclose(mean.activations["1:resid_post"], rows[:9].mean(0), atol=TOL, rtol=0)
+    assert_close(mean.activations["1:resid_post"], rows[:9].mean(0), atol=TOL, rtol=0)
     half = loop.run(engine.generate(base | {"capture": {"hooks": ["1:resid_post"], "dtype": "bfloat16"}}))
     assert str(half.activations["1:resid_post"].dtype) == "bfloat16"
-    np.testing.assert_allclose(half.activations["1:resid_post"].astype(np.float32), rows, atol=0.05, rtol=0.01)
+    assert_close(half.activations["1:resid_post"].astype(np.float32), rows, atol=0.05, rtol=0.01)
 
 
 def test_prompt_longer_than_a_step_captures_correctly(loop, engines, tiny_models):
@@ -135,9 +135,9 @@ def test_prompt_longer_than_a_step_captures_correctly(loop, engines, tiny_models
     fed = prompt + result.token_ids[:-1]
     assert result.positions == list(range(len(fed)))
     reference = hf_activations(tiny_models["gpt2"], fed)
-    np.testing.assert_allclose(result.activations["blocks.0.hook_resid_pre"], reference[(0, "resid_pre")], atol=TOL, rtol=0)
-    np.testing.assert_allclose(result.activations["blocks.3.hook_resid_post"], reference[(3, "resid_post")], atol=TOL, rtol=0)
-    np.testing.assert_allclose(result.activations["2:attn_out"], reference[(2, "attn_out")], atol=TOL, rtol=0)
+    assert_close(result.activations["blocks.0.hook_resid_pre"], reference[(0, "resid_pre")], atol=TOL, rtol=0)
+    assert_close(result.activations["blocks.3.hook_resid_post"], reference[(3, "resid_post")], atol=TOL, rtol=0)
+    assert_close(result.activations["2:attn_out"], reference[(2, "attn_out")], atol=TOL, rtol=0)
 
 
 def test_text_and_chat_prompts_are_tokenized_by_the_replica(loop, engines):

@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.conftest import ACTIVATION_TOL, LOGIT_TOL
+from tests.conftest import ACTIVATION_TOL, LOGIT_TOL, assert_close
 from tests.test_engine_capture import prompt_ids
 
 pytestmark = pytest.mark.engine
@@ -47,7 +47,7 @@ def test_compiled_engine_matches_eager_for_captures_edits_and_logits(loop, engin
     for got, want in zip(results, loop.run(both(engines["llama"]))):
         assert got.token_ids == want.token_ids
         for name in hooks:
-            np.testing.assert_allclose(got.activations[name], want.activations[name], atol=ACTIVATION_TOL, rtol=0)
-        np.testing.assert_allclose(got.logits, want.logits, atol=LOGIT_TOL, rtol=0)
+            assert_close(got.activations[name], want.activations[name], atol=ACTIVATION_TOL, rtol=0)
+        assert_close(got.logits, want.logits, atol=LOGIT_TOL, rtol=0)
     steered, unsteered = results[1], results[0]
     assert np.abs(steered.logits - unsteered.logits).max() > 1e-2

@@ -10,7 +10,7 @@ import torch
 
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS
-from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL
+from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, assert_close, assert_same
 from tests.hf_reference import hf_activations, hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
 
@@ -103,7 +103,7 @@ def test_every_op_at_every_kind_matches_hf(loop, engines, tiny_models, arch, op)
         fed = prompt + result.token_ids[:-1]
         reference = hf_logits(path, fed, edits=edits)
         assert result.logits_positions == list(range(len(fed)))
-        np.testing.assert_allclose(result.logits, reference, atol=LOGIT_TOL, rtol=0, err_msg=f"{arch} {op} {hook}")
+        assert_close(result.logits, reference, atol=LOGIT_TOL, rtol=0, err_msg=f"{arch} {op} {hook}")
 
 
 def test_norm_matched_add_and_stacked_edits_match_hf(loop, engines, tiny_models):
@@ -118,7 +118,7 @@ def test_norm_matched_add_and_stacked_edits_match_hf(loop, engines, tiny_models)
                                        "interventions": edits, "logits": {"positions": "all"}}))
     reference = hf_edits(edits, len(prompt))
     assert result.token_ids == hf_greedy(path, prompt, 5, edits=reference)
-    np.testing.assert_allclose(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)
+    assert_close(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)
 
 
 def test_edits_stay_in_their_own_rows(loop, engines, tiny_models):
@@ -141,11 +141,11 @@ def test_edits_stay_in_their_own_rows(loop, engines, tiny_models):
     for result, name, edit in ((a, "A", steer), (b, "B", ablate)):
         edits = hf_edits([edit], len(prompts[name]))
         assert result.token_ids == hf_greedy(path, prompts[name], 6, edits=edits)
-        np.testing.assert_allclose(result.logits, hf_logits(path, prompts[name] + result.token_ids[:-1], edits=edits), atol=LOGIT_TOL, rtol=0)
+        assert_close(result.logits, hf_logits(path, prompts[name] + result.token_ids[:-1], edits=edits), atol=LOGIT_TOL, rtol=0)
     alone = loop.run(engine.generate(requests["C"]))
     assert c.token_ids == alone.token_ids
-    np.testing.assert_array_equal(c.activations["blocks.3.hook_resid_post"], alone.activations["blocks.3.hook_resid_post"])
-    np.testing.assert_array_equal(c.logits, alone.logits)
+    assert_same(c.activations["blocks.3.hook_resid_post"], alone.activations["blocks.3.hook_resid_post"])
+    assert_same(c.logits, alone.logits)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
@@ -187,7 +187,7 @@ def test_patching_the_last_layer_reproduces_the_source_logits(loop, engines):
         "prompt": target, "max_tokens": 1, "logits": {"positions": "prompt"},
         "interventions": [{"hook": hook, "op": "set", "positions": captured.positions, "values": captured.activations[hook]}],
     }))
-    np.testing.assert_allclose(patched.logits, captured.logits, atol=ACTIVATION_TOL, rtol=0)
+    assert_close(patched.logits, captured.logits, atol=ACTIVATION_TOL, rtol=0)
     unpatched = loop.run(engine.generate({"prompt": target, "max_tokens": 1, "logits": {"positions": "prompt"}}))
     assert np.abs(unpatched.logits - captured.logits).max() > 1e-2
 
@@ -200,7 +200,7 @@ def test_logits_equal_hf(loop, engines, tiny_models, arch):
     assert result.logits_positions == [0, 4, 9, 11]
     reference = hf_logits(tiny_models[arch], prompt + result.token_ids[:-1])
     assert result.logits.dtype == np.float32 and result.logits.shape == (4, reference.shape[1])
-    np.testing.assert_allclose(result.logits, reference[[0, 4, 9, 11]], atol=LOGIT_TOL, rtol=0)
+    assert_close(result.logits, reference[[0, 4, 9, 11]], atol=LOGIT_TOL, rtol=0)
 
 
 BAD_EDITS = {
