@@ -8,6 +8,7 @@ HTTP JSON bodies and in inspect logs (base64 of the same bytes: TransformerLens'
 from __future__ import annotations
 
 import base64
+import os
 from typing import Any, TypedDict
 
 import ml_dtypes
@@ -61,6 +62,24 @@ def from_raw(raw: RawArray | dict[str, Any]) -> np.ndarray:
             f"need {expected}"
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def to_file(array: np.ndarray, path: str) -> dict[str, Any]:
+    """Write the bytes to a file (shared memory) and describe them; for the worker-to-replica hop
+    only, where a large capture would otherwise stall vLLM's engine core while it relays bytes."""
+    array = np.ascontiguousarray(array)
+    array.tofile(path)
+    return {"dtype": dtype_name(array), "shape": list(array.shape), "path": path}
+
+
+def from_file(described: dict[str, Any]) -> np.ndarray:
+    """Read and delete what `to_file` wrote. Never call this on data from outside the replica."""
+    path = described["path"]
+    try:
+        array = np.fromfile(path, dtype=DTYPES[described["dtype"]])
+    finally:
+        os.unlink(path)
+    return array.reshape([int(n) for n in described["shape"]])
 
 
 def to_base64(array: np.ndarray) -> Base64Array:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -65,7 +67,7 @@ class EngineConfig(BaseModel):
     max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    def engine_args(self) -> dict[str, Any]:
+    def engine_args(self, spill_dir: str | None = None) -> dict[str, Any]:
         for key in LOCKED_SETTINGS:
             if key in self.engine_kwargs:
                 raise ValueError(
@@ -96,6 +98,7 @@ class EngineConfig(BaseModel):
                 "edit_stages": self.edit_stages,
                 "edit_slots": self.edit_slots,
                 "eager": eager,
+                "spill_dir": spill_dir,
             }
         }
         return args
@@ -128,6 +131,7 @@ class CaptureEngine:
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
         self._edit_slots = asyncio.Semaphore(config.edit_slots)
         self._taker = _BatchedTake(llm)
+        self.spill_dir: str | None = None  # shared-memory folder for large worker results
 
     @classmethod
     async def start(cls, config: EngineConfig | dict[str, Any], name: str | None = None) -> "CaptureEngine":
@@ -137,8 +141,15 @@ class CaptureEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
-        return cls(llm, config, _model_info(llm, config), name)
+        spill_dir = tempfile.mkdtemp(prefix="capserve-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir)))
+        except BaseException:
+            shutil.rmtree(spill_dir, ignore_errors=True)
+            raise
+        engine = cls(llm, config, _model_info(llm, config), name)
+        engine.spill_dir = spill_dir
+        return engine
 
     async def info(self) -> ModelInfo:
         return self._info
@@ -151,6 +162,8 @@ class CaptureEngine:
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
+        if self.spill_dir:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
 
     # ------------------------------------------------------------ requests
 
@@ -260,9 +273,9 @@ class CaptureEngine:
         sequence = prompt_ids + choices[0].token_ids
         result.positions = first["positions"]
         result.capture_token_ids = [sequence[p] for p in first["positions"]]
-        result.activations = {name: arrays.from_raw(raw) for name, raw in first["activations"].items()}
+        result.activations = {name: _worker_array(raw) for name, raw in first["activations"].items()}
         if first["logits"] is not None:
-            result.logits = arrays.from_raw(first["logits"])
+            result.logits = _worker_array(first["logits"])
             result.logits_positions = first["logits_positions"]
         return result
 
@@ -296,6 +309,10 @@ class _BatchedTake:
                 for future in batch.values():
                     if not future.done():
                         future.set_exception(exc)
+
+
+def _worker_array(raw: dict[str, Any]) -> Any:
+    return arrays.from_file(raw) if "path" in raw else arrays.from_raw(raw)
 
 
 def _validated(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:

@@ -233,6 +233,8 @@ class EditPlan:
     def offsets(self, start: int, count: int, prompt_len: int) -> slice | np.ndarray:
         """Rows of a chunk this edit touches (its positions within its phase): a slice for
         position modes, which is all a decode step of a steered request needs."""
+        if self.positions == "all" and self.phase == "all":  # steering vectors: every row
+            return slice(0, count)
         phase = {"prefill": "prompt", "decode": "generated"}.get(self.phase, "all")
         phase_span = selected_range(phase, start, count, prompt_len)
         span = selected_range(self.positions, start, count, prompt_len)

@@ -15,11 +15,13 @@ nothing cost one set lookup per step.
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -84,6 +86,7 @@ class _CaptureState:
         self.edit_stages = int(options.get("edit_stages", 1))
         self.edit_slots = int(options.get("edit_slots", 64))
         self.eager = bool(options.get("eager", False))
+        self.spill_dir = options.get("spill_dir")  # large results go through shared memory
         model_dtype = next(runner.get_model().parameters()).dtype
         site_args = dict(
             d_model=self.layout.d_model, max_tokens=self.max_tokens, edit_slots=self.edit_slots + 1,
@@ -432,9 +435,15 @@ class _CaptureState:
         for req_id in sorted(self.by_key.pop(key, [])):
             entry = self.requests.pop(req_id)
             self._free(entry)
-            results.append(_result(entry))
+            results.append(_result(entry, self._spill_path(key)))
         self.seconds["take"] += time.perf_counter() - began
         return results
+
+    def _spill_path(self, key: str) -> Callable[[str], str] | None:
+        if not self.spill_dir:
+            return None
+        numbers = itertools.count()
+        return lambda name: os.path.join(self.spill_dir, f"{key}-{next(numbers)}.bin")
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -469,9 +478,19 @@ def _table_row(edit: EditPlan, d_model: int) -> np.ndarray:
     return row  # set: identity row; its values are written per step
 
 
-def _result(entry: _Captured) -> dict[str, Any]:
-    """The wire form of one request's captures (bytes, dtypes and shapes; no pickle). Rows arrive
-    in position order: chunks run in order and re-run rows are skipped."""
+SPILL_BYTES = 64 << 10
+
+
+def _result(entry: _Captured, spill_path: Callable[[str], str] | None) -> dict[str, Any]:
+    """The wire form of one request's captures: dtype, shape and bytes (no pickle), or for large
+    arrays a shared-memory file the replica reads and deletes. Rows arrive in position order:
+    chunks run in order and re-run rows are skipped."""
+
+    def encode(name: str, array: np.ndarray) -> dict[str, Any]:
+        if spill_path is not None and array.nbytes >= SPILL_BYTES:
+            return arrays.to_file(array, spill_path(name))
+        return dict(arrays.to_raw(array))
+
     positions = np.concatenate(entry.positions).tolist() if entry.positions else []
     activations = {}
     capture = entry.plan.capture
@@ -481,11 +500,11 @@ def _result(entry: _Captured) -> dict[str, Any]:
             array = (total / max(len(positions), 1)).to(TORCH_DTYPES[capture.dtype])
         else:
             array = torch.cat(entry.rows[name]) if name in entry.rows else torch.zeros(0, dtype=TORCH_DTYPES[capture.dtype])
-        activations[name] = arrays.to_raw(_to_numpy(array))
+        activations[name] = encode(name, _to_numpy(array))
     return {
         "positions": positions,
         "activations": activations,
-        "logits": arrays.to_raw(_to_numpy(torch.cat(entry.logits))) if entry.logits else None,
+        "logits": encode("logits", _to_numpy(torch.cat(entry.logits))) if entry.logits else None,
         "logits_positions": np.concatenate(entry.logits_positions).tolist() if entry.logits_positions else [],
         "error": entry.error,
     }

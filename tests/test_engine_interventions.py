@@ -11,7 +11,7 @@ import torch
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS
 from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, assert_close, assert_same
-from tests.hf_reference import hf_activations, hf_greedy, hf_logits
+from tests.hf_reference import hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
 
 pytestmark = pytest.mark.engine
