@@ -1,0 +1,11 @@
+"""The Ray Serve application: Router ingress (handle + HTTP) in front of EngineReplica deployments.
+
+Public names (imported from their modules; importing this package imports nothing):
+
+    from deploy.app import build_app, run            # build_app(args: AppArgs | dict) -> Application
+    from deploy.config import AppArgs                # the args of serve_config.yaml, documented per field
+    from deploy.router import Router                 # handle methods: generate, capture, capture_batch, info, stats
+    from deploy.balance import CostAwareRequestRouter, CostLedger   # least-outstanding-cost routing
+
+See docs/serving.md.
+"""

@@ -1,0 +1,16 @@
+"""The inspect_ai provider (`capserve/<model>`) and the Python client for the Serve app.
+
+Public names:
+
+    from provider import CaptureClient                      # sync + async client over the handle
+    from provider import read_activations, read_logits      # arrays back from an inspect eval log
+    from provider import activation_info                    # hooks, positions, replica of a call
+    from provider.inspect_provider import CapserveAPI       # the ModelAPI (registered by entry point)
+
+Importing this package imports neither Ray nor inspect_ai; each is imported when first needed.
+"""
+
+from provider.activations import activation_info, read_activations, read_logits
+from provider.client import CaptureClient
+
+__all__ = ["CaptureClient", "activation_info", "read_activations", "read_logits"]

@@ -13,3 +13,10 @@ class CaptureFailedError(RuntimeError):
 
 class BackPressureError(RuntimeError):
     """The fleet's queue is full; retry later (HTTP 503)."""
+
+
+class ReplicaUnavailableError(RuntimeError):
+    """The replica or its engine died, or it is draining, before answering (HTTP 503).
+
+    The router retries such a request on another replica; callers see it only when every attempt
+    failed, with each attempt's cause in the message."""

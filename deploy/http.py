@@ -1,0 +1,233 @@
+"""HTTP on the Router (FastAPI ingress): JSON in, JSON or safetensors out, no pickle anywhere.
+
+    POST /v1/generate   GenerateRequest JSON -> result
+    POST /v1/capture    GenerateRequest JSON (capture required) -> result, prompt activations
+    GET  /v1/info       ModelInfo
+    GET  /healthz       liveness, never authenticated
+    GET  /docs, /openapi.json
+
+Arrays in requests are lists of numbers or `{"dtype", "shape", "data": base64}` objects
+(`replicas.arrays`). Results are JSON with each activation (and logits) in that base64 form, or,
+with `Accept: application/octet-stream` or `?format=safetensors`, a safetensors file whose
+tensors are the activations by hook name (plus "logits") and whose `__metadata__["capserve"]`
+holds the other result fields as JSON. bfloat16 tensors are stored as BF16 (read them with
+`safetensors.torch`; `safetensors.numpy` has no bfloat16).
+
+Errors: `{"error": {"type", "message"}}` with 400 (not JSON), 401 (auth), 413 (body over
+max_request_bytes), 422 (invalid request, the field named), 503 (queue full or no replica
+could answer; Retry-After), 500 (capture failed).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from replicas import arrays
+from replicas.api import GenerateRequest, GenerateResult, ModelInfo
+from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
+
+from deploy.router import Router
+
+SAFETENSORS_MEDIA = "application/octet-stream"
+_ARRAY_FIELDS = ("activations", "logits")
+
+api = FastAPI(
+    title="capserve",
+    version="0.1.0",
+    description="Activation capture and interventions on vLLM replicas behind Ray Serve.",
+)
+
+
+class EncodedArray(BaseModel):
+    dtype: str
+    shape: list[int]
+    data: str
+
+
+class HttpResult(BaseModel):
+    """A GenerateResult as JSON: arrays in the base64 wire format."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    choices: list[dict[str, Any]]
+    activations: dict[str, EncodedArray]
+    positions: list[int]
+    capture_token_ids: list[int]
+    logits: EncodedArray | None
+    logits_positions: list[int]
+    logprobs: list[dict[str, float]] | None
+    prompt_logprobs: list[dict[str, float] | None] | None
+    replica: str | None
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.headers = status, kind, headers or {}
+
+
+_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/GenerateRequest"}}}}}
+_RESULT = {
+    200: {
+        "description": "The result; safetensors when asked for.",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HttpResult"}}, SAFETENSORS_MEDIA: {}},
+    }
+}
+
+
+class HttpRouter(Router):
+    """The Router plus its HTTP endpoints (wrapped by `serve.ingress` in `deploy.app`)."""
+
+    @api.post("/v1/generate", openapi_extra=_BODY, responses=_RESULT)
+    async def http_generate(self, request: Request) -> Response:
+        return await self._http_call(request, self.generate)
+
+    @api.post("/v1/capture", openapi_extra=_BODY, responses=_RESULT)
+    async def http_capture(self, request: Request) -> Response:
+        return await self._http_call(request, self.capture)
+
+    @api.get("/v1/info", response_model=ModelInfo)
+    async def http_info(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            info = await self.info()
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(info.model_dump())
+
+    @api.get("/healthz")
+    async def http_healthz(self) -> dict[str, Any]:
+        return {"status": "ok", "queued": self._queue.waiting}
+
+    async def _http_call(self, request: Request, method: Callable[[Any], Awaitable[Any]]) -> Response:
+        try:
+            self._authorize(request)
+            body = await read_body(request, self._config.max_request_bytes)
+            result = await method(parse_json_object(body))
+            return encode_result(result, wants_safetensors(request))
+        except Exception as exc:
+            return error_response(exc)
+
+    def _authorize(self, request: Request) -> None:
+        key = self._config.api_key
+        if key is None:
+            return
+        check_bearer(request.headers.get("authorization"), key.get_secret_value())
+
+
+# ---------------------------------------------------------------- pieces (unit-tested)
+
+
+def check_bearer(header: str | None, key: str) -> None:
+    scheme, _, token = (header or "").partition(" ")
+    # compare_digest on bytes of equal or different length runs in time independent of content
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise HttpError(401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HttpError(413, "too_large", f"request body of {declared} bytes exceeds max_request_bytes={limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a chunked body has no Content-Length; stop reading at the limit
+            raise HttpError(413, "too_large", f"request body exceeds max_request_bytes={limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise HttpError(400, "bad_json", f"request body must be a JSON object of GenerateRequest fields, got {type(value).__name__}")
+    return value
+
+
+def wants_safetensors(request: Request) -> bool:
+    fmt = request.query_params.get("format", "json")
+    if fmt not in ("json", "safetensors"):
+        raise HttpError(400, "bad_format", f"format={fmt!r}; allowed: json, safetensors")
+    return fmt == "safetensors" or SAFETENSORS_MEDIA in request.headers.get("accept", "")
+
+
+def result_fields(result: GenerateResult) -> dict[str, Any]:
+    """Every field but the arrays, JSON-ready."""
+    return json.loads(result.model_dump_json(exclude=set(_ARRAY_FIELDS)))
+
+
+def encode_result(result: GenerateResult, safetensors: bool) -> Response:
+    if safetensors:
+        return Response(to_safetensors(result), media_type=SAFETENSORS_MEDIA)
+    body = result_fields(result)
+    body["activations"] = {name: arrays.to_base64(a) for name, a in result.activations.items()}
+    body["logits"] = arrays.to_base64(result.logits) if result.logits is not None else None
+    return JSONResponse(body)
+
+
+def to_safetensors(result: GenerateResult) -> bytes:
+    from safetensors.numpy import save
+
+    tensors = dict(result.activations)
+    if result.logits is not None:
+        tensors["logits"] = result.logits
+    return save(tensors, metadata={"capserve": json.dumps(result_fields(result))})
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, kind, headers = _classify(exc)
+    return JSONResponse({"error": {"type": kind, "message": str(exc)}}, status_code=status, headers=headers)
+
+
+def _classify(exc: BaseException) -> tuple[int, str, dict[str, str]]:
+    if isinstance(exc, HttpError):
+        return exc.status, exc.kind, exc.headers
+    if isinstance(exc, InvalidRequestError):
+        return 422, "invalid_request", {}
+    if isinstance(exc, BackPressureError):
+        return 503, "backpressure", {"Retry-After": "1"}
+    if isinstance(exc, ReplicaUnavailableError):
+        return 503, "replica_unavailable", {"Retry-After": "1"}
+    if isinstance(exc, CaptureFailedError):
+        return 500, "capture_failed", {}
+    return 500, "internal", {}
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's schema plus the request/result models the raw-body endpoints read and write."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (GenerateRequest, HttpResult):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
+
+
+def _ingress() -> type:
+    from ray import serve
+
+    return serve.ingress(api)(HttpRouter)
+
+
+# Wrapped once, at import: serve.ingress rewrites the app's routes into class-based views.
+RouterIngress = _ingress()

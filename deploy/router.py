@@ -1,0 +1,386 @@
+"""`Router`: the app's ingress. Validates, balances by cost, retries, scatters batches, queues.
+
+Handle methods (Python callers, the provider and the client):
+
+    await handle.generate.remote(request)            -> GenerateResult
+    await handle.capture.remote(request)             -> GenerateResult (prompt activations)
+    await handle.capture_batch.remote([req, ...])    -> [GenerateResult, ...] in input order
+    await handle.info.remote()                       -> ModelInfo
+    await handle.stats.remote()                      -> queue depth and per-replica outstanding cost
+
+`by_reference=True` on generate/capture/capture_batch returns `ray.ObjectRef`s to the replica's
+own result object instead of values: the payload then never passes through the router (`await
+ref` in the caller reads it from the object store, zero-copy for the arrays on one node). By
+value, the router still copies no array itself; Ray serializes the result once more on return.
+
+What the router guarantees:
+- validation before any replica is chosen: `InvalidRequestError` naming the field;
+- least outstanding cost balancing (`deploy.balance`);
+- a request whose replica or engine dies before answering is retried on another replica, up to
+  `routing.max_attempts`; when all fail, `ReplicaUnavailableError` lists each attempt's cause;
+- a bounded queue: at most `max_queued_requests` requests wait for a replica slot; the next one
+  gets `BackPressureError` at once (HTTP 503), never an unbounded wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from abc import ABC, abstractmethod
+from collections import deque
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo
+from replicas.cost import request_cost
+from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
+from replicas.validation import validated
+
+from deploy.balance import CostLedger, RouteHint
+from deploy.config import RouterConfig
+
+
+MAX_REPICKS = 16  # slots given back because they landed on a replica this request failed on
+MAX_PLACING = 4  # requests asking Serve for a slot at once (Serve routes 2 per replica at a time)
+
+
+def _retryable_errors() -> tuple[type[BaseException], ...]:
+    """Failures that mean "this replica is gone", not "this request is bad"."""
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+    from ray.serve.exceptions import ReplicaUnavailableError as ServeReplicaGone
+
+    return (ReplicaUnavailableError, RayActorError, ServeReplicaGone)
+
+
+# ---------------------------------------------------------------- replica pool
+
+
+class ReplicaSlot(ABC):
+    """A slot reserved on one replica; `run` sends the request there."""
+
+    replica: str
+
+    @abstractmethod
+    async def run(self, method: str, *args: Any) -> tuple[Any, Any]:
+        """(result value, reference to it); the value may be a zero-copy view of the reference."""
+
+
+class ReplicaPool(ABC):
+    """How the router reaches replicas. `HandlePool` is the Serve one; tests pass fakes."""
+
+    retryable: tuple[type[BaseException], ...] = (ReplicaUnavailableError,)
+
+    @abstractmethod
+    def reserve(self, method: str, hint: RouteHint) -> Any:
+        """Async context manager yielding a `ReplicaSlot` picked by the hint's ledger."""
+
+    @abstractmethod
+    async def call_any(self, method: str, *args: Any) -> Any:
+        """Call `method` on some replica (info)."""
+
+
+class _HandleSlot(ReplicaSlot):
+    def __init__(self, handle: Any, selection: Any) -> None:
+        self._handle = handle
+        self._selection = selection
+        self.replica = selection.replica_id
+
+    async def run(self, method: str, *args: Any) -> tuple[Any, Any]:
+        response = self._handle.dispatch(self._selection, *args)
+        # The ObjectRef of the replica's return value (Serve's documented way to get it): awaiting
+        # it maps the object read-only, and returning it hands the caller the same object.
+        try:
+            ref = await response._to_object_ref()
+            return await ref, ref
+        except asyncio.CancelledError:
+            response.cancel()  # the caller went away: abort the request in the engine too
+            raise
+
+
+class HandlePool(ReplicaPool):
+    """Replicas behind a DeploymentHandle whose deployment uses `CostAwareRequestRouter`."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.retryable = _retryable_errors()
+
+    @asynccontextmanager
+    async def reserve(self, method: str, hint: RouteHint) -> AsyncIterator[ReplicaSlot]:
+        handle = self._handle.options(method_name=method)
+        async with handle.choose_replica(hint) as selection:
+            yield _HandleSlot(handle, selection)
+
+    async def call_any(self, method: str, *args: Any) -> Any:
+        return await getattr(self._handle, method).remote(*args)
+
+
+# ---------------------------------------------------------------- admission
+
+
+class AdmissionQueue:
+    """Counts requests the router accepted that no replica has accepted yet."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.waiting = 0
+
+    def admit(self, n: int = 1) -> None:
+        if self.waiting + n > self.limit:
+            raise BackPressureError(
+                f"the router's queue is full: {self.waiting} requests wait for a replica "
+                f"(max_queued_requests={self.limit}); retry later, or add replicas"
+            )
+        self.waiting += n
+
+    def leave(self) -> None:
+        self.waiting -= 1
+
+
+class _Gate:
+    """Requests wait here, first come first served, for a free replica slot.
+
+    At most `max_placing` requests are being placed (asking Serve for a slot) at once, and never
+    more than the replicas have room for. So Serve's routing loop never holds requests that
+    cannot be placed (it would re-poll the full replicas, and notice a freed slot only after its
+    next backoff), and rankings made on the same counts cannot pile onto one replica. A finished
+    request and a placed one each wake the next waiter."""
+
+    def __init__(self, free_slots: Callable[[], int | None], max_placing: int) -> None:
+        self._free_slots = free_slots
+        self._max_placing = max_placing
+        self.placing = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def _may_place(self) -> bool:
+        if self.placing >= self._max_placing:
+            return False
+        free = self._free_slots()
+        return self.placing == 0 if free is None else self.placing < free  # None: nothing known yet
+
+    async def enter(self) -> None:
+        """Return when this request may ask Serve for a slot; call `placed()` once it has one."""
+        if not self._waiters and self._may_place():
+            self.placing += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.placed()  # it was our turn; hand it on
+            raise
+
+    def placed(self) -> None:
+        self.placing -= 1
+        self.wake()
+
+    def wake(self) -> None:
+        while self._waiters and self._may_place():
+            turn = self._waiters.popleft()
+            if not turn.done():
+                self.placing += 1
+                turn.set_result(None)
+
+
+class _Attempts:
+    """Where one request stands: queued, being placed, the replicas it failed on."""
+
+    def __init__(self) -> None:
+        self.ticket = uuid.uuid4().hex
+        self.waiting = True  # counted in the admission queue
+        self.placing = False  # holds one of the gate's placing turns
+        self.failures: list[str] = []
+        self.avoid: set[str] = set()
+        self.repicks = 0
+
+
+class _RouterMetrics:
+    """Rare events only (the per-request path stays free of metric calls); Serve adds the tags."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.retries = metrics.Counter(
+            "capserve_router_retries", description="Requests re-sent after their replica or engine died."
+        )
+        self.rejected = metrics.Counter(
+            "capserve_router_backpressure", description="Requests refused because the router's queue was full."
+        )
+
+
+class _Failed(Exception):
+    def __init__(self, replica: str, cause: BaseException) -> None:
+        super().__init__(replica)
+        self.replica = replica
+        self.cause = cause
+
+
+# ---------------------------------------------------------------- the router
+
+
+class Router:
+    def __init__(self, replicas: Any, config: RouterConfig | dict[str, Any] | None = None) -> None:
+        self._config = config if isinstance(config, RouterConfig) else RouterConfig.model_validate(config or {})
+        self._pool: ReplicaPool = replicas if isinstance(replicas, ReplicaPool) else HandlePool(replicas)
+        self._ledger = CostLedger()
+        self._queue = AdmissionQueue(self._config.max_queued_requests)
+        self._gate = _Gate(self._ledger.free_slots, MAX_PLACING)
+        self._info: ModelInfo | None = None
+        self._metrics = _RouterMetrics()
+
+    # ------------------------------------------------------------ handle methods
+
+    async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
+        request = validated(request)
+        self._admit(1)
+        return await self._submit("generate", request, by_reference)
+
+    async def capture(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
+        """Prompt activations only. The request must carry `capture`; it runs with max_tokens=1
+        and temperature 0 (one forward over the prompt; the sampled token is discarded), and
+        `capture.positions` defaults to "prompt". A max_tokens other than 1 is refused: use
+        generate() to sample."""
+        request = capture_request(request)
+        self._admit(1)
+        return await self._submit("generate", request, by_reference)
+
+    async def capture_batch(self, requests: list[Any], by_reference: bool = False) -> list[Any]:
+        """capture() for every request, spread over the replicas; results in input order. The
+        batch is admitted whole or refused whole (BackPressureError); if one request fails, the
+        others are cancelled and the error names its index."""
+        if not isinstance(requests, list):
+            raise InvalidRequestError(f"requests: expected a list of capture requests, got {type(requests).__name__}")
+        if len(requests) > self._config.max_batch_size:
+            raise InvalidRequestError(
+                f"requests: {len(requests)} requests exceed max_batch_size={self._config.max_batch_size}; split the batch"
+            )
+        batch = [capture_request(r, where=f"requests[{i}].") for i, r in enumerate(requests)]
+        if not batch:
+            return []
+        self._admit(len(batch))
+        tasks = [asyncio.ensure_future(self._submit_item(i, "generate", r, by_reference)) for i, r in enumerate(batch)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = await self._pool.call_any("info")
+        return self._info
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "queued": self._queue.waiting,
+            "max_queued_requests": self._queue.limit,
+            "replicas": self._ledger.snapshot(),
+            "rankings": self._ledger.rankings,
+        }
+
+    # ------------------------------------------------------------ routing
+
+    def _admit(self, n: int) -> None:
+        try:
+            self._queue.admit(n)
+        except BackPressureError:
+            self._metrics.rejected.inc(n)
+            raise
+
+    async def _submit_item(self, index: int, method: str, request: GenerateRequest, by_reference: bool) -> Any:
+        try:
+            return await self._submit(method, request, by_reference)
+        except (InvalidRequestError, CaptureFailedError, ReplicaUnavailableError) as exc:
+            raise type(exc)(f"requests[{index}]: {exc}") from exc
+
+    async def _submit(self, method: str, request: GenerateRequest, by_reference: bool) -> Any:
+        """Run an admitted request to completion, on another replica each time one dies."""
+        state = _Attempts()
+        try:
+            cost = await self._cost(request)
+            await self._gate.enter()
+            state.placing = True
+            while len(state.failures) < self._config.routing.max_attempts:
+                hint = RouteHint(self._ledger, frozenset(state.avoid), self._config.replica_slots)
+                try:
+                    async with self._pool.reserve(method, hint) as slot:
+                        if slot.replica in state.avoid and state.repicks < MAX_REPICKS and self._ledger.has_alternative(state.avoid):
+                            # Serve's FIFO matching handed this request a replica it already
+                            # failed on, picked for another request; give the slot back.
+                            state.repicks += 1
+                            continue
+                        self._ledger.confirm(state.ticket, slot.replica, cost)
+                        self._placed(state)
+                        value, ref = await self._run(slot, method, request)
+                        return ref if by_reference else value
+                except _Failed as failed:
+                    self._metrics.retries.inc()
+                    state.failures.append(f"replica {failed.replica}: {failed.cause!r}")
+                    state.avoid.add(failed.replica)
+                    self._ledger.suspect(failed.replica, self._config.routing.suspect_s)
+            raise ReplicaUnavailableError(
+                f"request failed on {len(state.failures)} replicas, each died or lost its engine before "
+                f"answering: {'; '.join(state.failures)}"
+            )
+        finally:
+            self._ledger.release(state.ticket)
+            self._placed(state)
+            self._gate.wake()  # a slot may have freed
+
+    def _placed(self, state: "_Attempts") -> None:
+        """The request left the queue: it holds a slot, or it gave up."""
+        if state.waiting:
+            state.waiting = False
+            self._queue.leave()
+        if state.placing:
+            state.placing = False
+            self._gate.placed()
+
+    async def _run(self, slot: ReplicaSlot, method: str, request: GenerateRequest) -> tuple[Any, Any]:
+        try:
+            return await slot.run(method, request)
+        except self._pool.retryable as exc:
+            if isinstance(exc, (InvalidRequestError, CaptureFailedError)):
+                raise  # Ray's error types mix in the cause's type; a bad request is never retried
+            raise _Failed(slot.replica, exc) from exc
+
+    async def _cost(self, request: GenerateRequest) -> float:
+        info = await self.info()
+        routing = self._config.routing
+        return request_cost(
+            request,
+            info.d_model,
+            info.d_vocab,
+            prompt_token_weight=routing.prompt_token_weight,
+            capture_bytes_per_token=routing.capture_bytes_per_token,
+        )
+
+
+def capture_request(request: GenerateRequest | dict[str, Any], where: str = "") -> GenerateRequest:
+    """A capture() request: capture required, max_tokens 1, greedy, positions default "prompt"."""
+    if isinstance(request, GenerateRequest):
+        given = request.model_fields_set
+        max_tokens = request.max_tokens if "max_tokens" in given else None
+        capture = request.capture
+        positions_given = capture is not None and "positions" in capture.model_fields_set
+    elif isinstance(request, dict):
+        max_tokens = request.get("max_tokens")
+        capture = request.get("capture")
+        positions_given = isinstance(capture, dict) and "positions" in capture
+    else:
+        return validated(request, where)  # raises, naming the type
+    if capture is None:
+        raise InvalidRequestError(
+            f"{where}capture: capture() needs a capture spec, e.g. {{'hooks': ['blocks.0.hook_resid_post']}}; "
+            "use generate() for text only"
+        )
+    if max_tokens not in (None, 1):
+        raise InvalidRequestError(
+            f"{where}max_tokens: capture() runs the prompt only (max_tokens=1), got {max_tokens}; use generate() to sample"
+        )
+    request = validated(request, where)
+    spec: CaptureSpec = request.capture  # type: ignore[assignment]
+    if not positions_given:
+        spec = spec.model_copy(update={"positions": "prompt"})
+    return request.model_copy(update={"max_tokens": 1, "temperature": 0.0, "capture": spec})

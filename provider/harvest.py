@@ -1,0 +1,339 @@
+"""The `capserve capture` pipeline: stream prompts, capture them concurrently, write shards.
+
+Memory stays flat whatever the input size:
+- the input is read line by line (`provider.capture_input`);
+- at most `concurrency` requests are in flight (a semaphore);
+- results wait in memory only until their shard is complete, and at most `window` shards are
+  open at once: the reader stops before opening a shard past the window until the oldest open
+  shard is written. So memory ~ window x (one shard's captured bytes) + in-flight results.
+
+Resume: shard k covers input lines [k*S, (k+1)*S); lines of a finished shard are skipped
+without a request. The manifest pins everything that decides a shard's content (options,
+model, input fingerprint); a rerun with other values fails and names them.
+
+Faults: the Router already retries a request whose replica died. What still reaches us (the
+queue full, no replica answering, a lost object, a dropped connection) is retried here with
+jittered exponential backoff, at most `retries` times per line; then the run stops, finished
+shards stay, and a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from provider.backends import Backend
+from provider.capture_input import InputLine, count_lines, fingerprint, read_input
+from provider.capture_manifest import finish_manifest, lock_folder, open_folder
+from provider.shards import LineRows, finished_shards, write_shard
+from replicas.api import CaptureSpec, GenerateResult, ModelInfo
+from replicas.arrays import DTYPES
+from replicas.errors import InvalidRequestError
+from replicas.hooks import resolve_hook
+
+MAX_BACKOFF_S = 20.0
+
+
+class LineFailed(RuntimeError):
+    """A line that could not be captured; the message names the input line."""
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    hooks: tuple[str, ...]
+    positions: str | tuple[int, ...] = "all"
+    reduce: str = "none"
+    dtype: str = "float32"
+    max_tokens: int = 0  # 0: prompt only, through the Router's capture()
+    temperature: float = 0.0
+    shard_lines: int = 1024
+    input_format: str = "jsonl"
+    concurrency: int = 64
+    retries: int = 8
+    skip_invalid: bool = False
+
+    def __post_init__(self) -> None:
+        # The same checks the Router makes, before any request: a typo fails here, not per line.
+        CaptureSpec(hooks=list(self.hooks), positions=self._positions(), reduce=self.reduce, dtype=self.dtype)
+        if self.max_tokens == 0 and self.positions == "generated":
+            raise ValueError("--positions generated needs --max-tokens > 0 (with 0 only the prompt runs)")
+        for name in ("shard_lines", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def _positions(self) -> str | list[int]:
+        return self.positions if isinstance(self.positions, str) else list(self.positions)
+
+    def pinned(self) -> dict[str, Any]:
+        """What decides a shard's content; must match on resume."""
+        keys = ("hooks", "positions", "reduce", "dtype", "max_tokens", "temperature", "shard_lines", "input_format")
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k in keys}
+
+    def request(self, prompt: Any) -> dict[str, Any]:
+        capture = {"hooks": list(self.hooks), "positions": self._positions(), "reduce": self.reduce, "dtype": self.dtype}
+        request: dict[str, Any] = {"prompt": prompt, "capture": capture}
+        if self.max_tokens > 0:
+            request.update(max_tokens=self.max_tokens, temperature=self.temperature)
+        return request
+
+    @property
+    def window(self) -> int:
+        """Open shards: enough that `concurrency` requests fit in them, plus one being written."""
+        return max(2, math.ceil(self.concurrency / self.shard_lines) + 1)
+
+
+@dataclass
+class Summary:
+    lines: int = 0
+    lines_done_before: int = 0
+    captured: int = 0
+    blank: int = 0
+    invalid: int = 0
+    rows: int = 0
+    bytes_written: int = 0
+    shards_written: int = 0
+    shards_done_before: int = 0
+    retries: int = 0
+    replicas: Counter = field(default_factory=Counter)
+    elapsed_s: float = 0.0
+    complete: bool = False
+
+    def text(self, out: Path) -> str:
+        rate = self.rows / self.elapsed_s if self.elapsed_s else 0.0
+        split = ", ".join(f"{name}: {n}" for name, n in self.replicas.most_common()) or "none"
+        state = "complete" if self.complete else "INCOMPLETE (rerun the same command to finish)"
+        return "\n".join([
+            f"capserve capture: {state} -> {out}",
+            (f"  lines      {self.lines} read, {self.captured} captured now, {self.lines_done_before} already done, "
+             f"{self.blank} blank, {self.invalid} invalid (skipped)"),
+            f"  shards     {self.shards_written} written now, {self.shards_done_before} already done",
+            f"  rows       {self.rows} in {self.elapsed_s:.1f} s ({rate:.1f} rows/s), {self.bytes_written / 1e9:.3f} GB written",
+            f"  retries    {self.retries}",
+            f"  replicas   {split}",
+        ])
+
+
+class Progress:
+    """tqdm over input lines with rows/s and GB written; silent when disabled."""
+
+    def __init__(self, total: int | None, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, disable=not enabled, unit="line", desc="capture", dynamic_ncols=True)
+        self.started = time.monotonic()
+
+    def update(self, lines: int, summary: Summary) -> None:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{summary.rows / elapsed:.0f} rows/s, {summary.bytes_written / 1e9:.3f} GB", refresh=False)
+        self.bar.update(lines)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Shard:
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.lines: list[LineRows] = []
+        self.pending = 0
+        self.sealed = False  # the reader has moved past this shard's lines
+        self.writing = False
+
+
+class Harvester:
+    """One run over one input into one folder. `run(lines)` returns the Summary."""
+
+    def __init__(self, out: Path, options: CaptureOptions, info: ModelInfo, backend: Backend, progress: Progress) -> None:
+        self.out, self.options, self.info, self.backend, self.progress = out, options, info, backend, progress
+        self.summary = Summary()
+        self.done = finished_shards(out)
+        self.summary.shards_done_before = len(self.done)
+        self._open: dict[int, _Shard] = {}
+        self._changed = asyncio.Event()
+        self._slots = asyncio.Semaphore(options.concurrency)
+        self._tasks: asyncio.TaskGroup | None = None
+
+    def already_done(self, line: int) -> bool:
+        return line // self.options.shard_lines in self.done
+
+    async def run(self, lines: Iterator[InputLine]) -> Summary:
+        started = time.monotonic()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                await self._feed(lines)
+        except BaseExceptionGroup as group:  # the first real failure, not the group
+            raise _first(group) from None
+        finally:
+            self.summary.elapsed_s = time.monotonic() - started
+        return self.summary
+
+    async def _feed(self, lines: Iterator[InputLine]) -> None:
+        for item in lines:
+            self.summary.lines += 1
+            k = item.line // self.options.shard_lines
+            if k in self.done:
+                self.summary.lines_done_before += 1
+                self.progress.update(1, self.summary)
+                continue
+            shard = await self._shard(k)
+            if item.prompt is None:
+                self.summary.blank += 1
+                self.progress.update(1, self.summary)
+                continue
+            await self._slots.acquire()
+            shard.pending += 1
+            self._tasks.create_task(self._capture(shard, item))  # type: ignore[union-attr]
+        for shard in list(self._open.values()):
+            self._seal(shard)
+
+    async def _shard(self, k: int) -> _Shard:
+        if k in self._open:
+            return self._open[k]
+        for shard in list(self._open.values()):
+            if shard.k < k:
+                self._seal(shard)
+        while self._open and k - min(self._open) >= self.options.window:
+            changed = self._changed
+            await changed.wait()  # the oldest open shard is still waiting for results
+        shard = self._open[k] = _Shard(k)
+        return shard
+
+    def _seal(self, shard: _Shard) -> None:
+        shard.sealed = True
+        self._maybe_write(shard)
+
+    def _maybe_write(self, shard: _Shard) -> None:
+        if shard.sealed and shard.pending == 0 and not shard.writing:
+            shard.writing = True
+            self._tasks.create_task(self._write(shard))  # type: ignore[union-attr]
+
+    async def _write(self, shard: _Shard) -> None:
+        hooks, d_model = list(self.options.hooks), self.info.d_model
+        # A thread, so requests keep flowing while the shard goes to disk.
+        size = await asyncio.to_thread(write_shard, self.out, shard.k, shard.lines, hooks, self.options.dtype, d_model)
+        self.summary.bytes_written += size
+        self.summary.shards_written += 1
+        self.done.add(shard.k)
+        del self._open[shard.k]
+        self._changed.set()
+        self._changed = asyncio.Event()
+        self.progress.update(0, self.summary)
+
+    async def _capture(self, shard: _Shard, item: InputLine) -> None:
+        try:
+            rows = await self._line_rows(item)
+        finally:
+            self._slots.release()
+            shard.pending -= 1
+        shard.lines.append(rows)
+        self.summary.rows += rows.rows
+        self.progress.update(1, self.summary)
+        self._maybe_write(shard)
+
+    async def _line_rows(self, item: InputLine) -> LineRows:
+        try:
+            result = await self._with_retries(item)
+        except InvalidRequestError as exc:
+            if not self.options.skip_invalid:
+                raise LineFailed(f"input line {item.line + 1}: {exc} (fix the line, or pass --skip-invalid)") from None
+            self.summary.invalid += 1
+            return LineRows(item.line, self._empty(), [], [], {"error": str(exc)})
+        self.summary.captured += 1
+        self.summary.replicas[result.replica or "unknown"] += 1
+        return line_rows(item, result, self.options, self.info.d_model)
+
+    async def _with_retries(self, item: InputLine) -> GenerateResult:
+        request = self.options.request(item.prompt)
+        prompt_only = self.options.max_tokens == 0
+        for attempt in itertools.count():
+            try:
+                return await self.backend.run(request, prompt_only)
+            except InvalidRequestError:
+                raise  # the line itself is bad: retrying cannot help; the caller decides
+            except Exception as exc:
+                wait = self.backend.retry_delay(exc)
+                if wait is None:
+                    raise LineFailed(f"input line {item.line + 1}: {exc!r}") from exc
+                if attempt >= self.options.retries:
+                    raise LineFailed(f"input line {item.line + 1}: failed {attempt + 1} times; last error: {exc!r}") from exc
+                self.summary.retries += 1
+                backoff = min(0.25 * 2**attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)  # jitter: no herd
+                await asyncio.sleep(max(wait, backoff))
+        raise AssertionError("unreachable")
+
+    def _empty(self) -> dict[str, np.ndarray]:
+        return {h: np.empty((0, self.info.d_model), DTYPES[self.options.dtype]) for h in self.options.hooks}
+
+
+def line_rows(item: InputLine, result: GenerateResult, options: CaptureOptions, d_model: int) -> LineRows:
+    """A result as rows of the shard, checked against what was asked for."""
+    reduced = options.reduce == "mean"
+    arrays = {}
+    for hook in options.hooks:
+        if hook not in result.activations:
+            raise LineFailed(f"input line {item.line + 1}: the result has no {hook!r} (got {sorted(result.activations)})")
+        array = result.activations[hook]
+        array = array.reshape(1, -1) if reduced else array
+        if array.dtype != DTYPES[options.dtype] or array.ndim != 2 or array.shape[1] != d_model:
+            raise LineFailed(f"input line {item.line + 1}: {hook} came back {array.dtype} {list(array.shape)}, "
+                             f"expected {options.dtype} [rows, {d_model}]")
+        arrays[hook] = array
+    rows = 1 if reduced else len(result.positions)
+    if any(a.shape[0] != rows for a in arrays.values()):
+        raise LineFailed(f"input line {item.line + 1}: {rows} positions but arrays of {[a.shape[0] for a in arrays.values()]} rows")
+    record: dict[str, Any] = {"prompt_token_ids": result.prompt_token_ids, "positions": result.positions, "replica": result.replica}
+    if options.max_tokens > 0:
+        record.update(token_ids=result.token_ids, text=result.text)
+    if item.id is not None:
+        record["id"] = item.id
+    positions = [-1] if reduced else result.positions
+    tokens = [-1] if reduced else result.capture_token_ids
+    return LineRows(item.line, arrays, positions, tokens, record)
+
+
+def check_hooks(options: CaptureOptions, info: ModelInfo) -> None:
+    for hook in options.hooks:
+        resolve_hook(hook, info.n_layers)  # a layer past the model fails before any request
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
+
+
+async def run_capture(
+    source: Path, out: Path, options: CaptureOptions, backend: Backend, progress: bool = True
+) -> Summary:
+    """Capture every line of `source` into `out` (resuming what is there); the CLI's core."""
+    info = await backend.info()
+    check_hooks(options, info)
+    n_lines = count_lines(source)
+    lock = lock_folder(out)
+    try:
+        manifest = open_folder(out, options, info, fingerprint(source), n_lines, backend.description)
+        bar = Progress(n_lines, progress)
+        harvester = Harvester(out, options, info, backend, bar)
+        try:
+            lines = read_input(source, options.input_format, skip=harvester.already_done)  # type: ignore[arg-type]
+            summary = await harvester.run(lines)
+        finally:
+            bar.close()
+        summary.complete = finish_manifest(out, manifest, summary.lines)
+    finally:
+        lock.close()
+    return summary

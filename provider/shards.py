@@ -1,0 +1,342 @@
+"""Capture output folders: safetensors shards, their indexes, the manifest, and `load_capture`.
+
+A folder written by `capserve capture` holds:
+
+    manifest.json               model (ModelInfo), hooks, options, input fingerprint, versions;
+                                `complete: true` once every shard is written
+    shard-000000.safetensors    one tensor per hook, rows of every input line of the shard
+                                concatenated in line order: [rows, d_model] (one row per line when
+                                reduced); plus int64 [rows] row index tensors `capserve.line`
+                                (0-based input line), `capserve.position` (token position, -1 when
+                                reduced) and `capserve.token_id` (token at it, -1 when reduced)
+    shard-000000.jsonl          one record per captured input line: line, row (first row in the
+                                shard), rows, prompt_token_ids, positions, token_ids (generated),
+                                replica, id (when the input line had one); or line + error
+
+Shard k covers input lines [k * shard_lines, (k + 1) * shard_lines), so a rerun knows which
+lines a finished shard holds without reading it. A shard is finished exactly when its
+.safetensors file exists: the .jsonl is renamed into place first and the .safetensors last,
+each written to a temporary name, fsynced and renamed, so a crash leaves either a whole shard or
+no shard (plus a temporary file that the next run deletes).
+
+The .safetensors files are written and read here directly (8-byte header length, JSON header,
+raw little-endian data): the format is simple, bfloat16 needs no torch, and the loader maps the
+file once instead of copying it. `safetensors.safe_open` reads the files too (torch for BF16).
+This module imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replicas.arrays import DTYPES
+
+FORMAT = "capserve-capture/1"
+MANIFEST = "manifest.json"
+INDEX_TENSORS = ("capserve.line", "capserve.position", "capserve.token_id")
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32"}
+_NP_DTYPES = {code: DTYPES[name] for name, code in _ST_DTYPES.items()}
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+_OPEN_SHARDS = 64  # each open map holds a file descriptor; keep well under `ulimit -n`
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:06d}"
+
+
+# ---------------------------------------------------------------- writing
+
+
+@dataclass
+class LineRows:
+    """What one input line contributed to a shard: its rows per hook, and its index record."""
+
+    line: int
+    arrays: dict[str, np.ndarray]  # hook -> [rows, d_model]
+    positions: list[int]  # per row; -1 when reduced
+    token_ids: list[int]  # per row; -1 when reduced
+    record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return len(self.positions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def write_shard(folder: Path, k: int, lines: list[LineRows], hooks: list[str], dtype: str, d_model: int) -> int:
+    """Write shard k atomically (index first, tensors last: the tensors file is the commit).
+    Returns the bytes written."""
+    lines = sorted(lines, key=lambda item: item.line)
+    starts = np.cumsum([0] + [item.rows for item in lines])
+    records = [{"line": item.line, "row": int(start), "rows": item.rows, **item.record} for item, start in zip(lines, starts)]
+    index_text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+    index_path = folder / f"{shard_name(k)}.jsonl"
+    _atomic_write(index_path, lambda f: f.write(index_text.encode()))
+    tensors = _shard_tensors(lines, hooks, dtype, d_model)
+    size = _atomic_write(folder / f"{shard_name(k)}.safetensors", lambda f: write_safetensors(f, tensors, {"format": FORMAT}))
+    _fsync_dir(folder)
+    return size + len(index_text)
+
+
+def _shard_tensors(lines: list[LineRows], hooks: list[str], dtype: str, d_model: int) -> list[tuple[str, str, list[int], list[np.ndarray]]]:
+    """(name, dtype, shape, chunks) per tensor; chunks are the lines' own arrays, never concatenated."""
+    rows = sum(item.rows for item in lines)
+    tensors = [(hook, dtype, [rows, d_model], [item.arrays[hook] for item in lines if item.rows]) for hook in hooks]
+    columns = {
+        "capserve.line": [np.full(item.rows, item.line, np.int64) for item in lines],
+        "capserve.position": [np.asarray(item.positions, np.int64) for item in lines],
+        "capserve.token_id": [np.asarray(item.token_ids, np.int64) for item in lines],
+    }
+    return tensors + [(name, "int64", [rows], chunks) for name, chunks in columns.items()]
+
+
+def write_safetensors(f: Any, tensors: list[tuple[str, str, list[int], list[np.ndarray]]], metadata: dict[str, str]) -> int:
+    """Stream tensors, each given as row chunks in order, into an open binary file."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, chunks in tensors:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        got = sum(c.nbytes for c in chunks)
+        if got != nbytes:
+            raise ValueError(f"tensor {name!r}: chunks hold {got} bytes, shape {shape} {dtype} needs {nbytes}")
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, so every map is aligned
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for name, dtype, _, chunks in tensors:
+        for chunk in chunks:
+            if chunk.dtype != DTYPES[dtype]:
+                raise TypeError(f"tensor {name!r}: a chunk has dtype {chunk.dtype}, the shard stores {dtype}")
+            f.write(np.ascontiguousarray(chunk).view(np.uint8).data)  # bf16 has no buffer format; bytes do
+    return 8 + len(raw) + offset
+
+
+def _atomic_write(path: Path, write: Any) -> int:
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name says the shard exists
+        size = f.tell()
+    os.replace(temp, path)
+    return size
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the renames themselves survive a power loss
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    _atomic_write(path, lambda f: f.write((json.dumps(value, indent=2) + "\n").encode()))
+    _fsync_dir(path.parent)
+
+
+def remove_temporaries(folder: Path) -> int:
+    """Delete what an interrupted run left half-written; returns how many files."""
+    stale = [p for p in folder.iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
+def finished_shards(folder: Path) -> set[int]:
+    """Shard numbers whose .safetensors file (the commit) exists."""
+    found = set()
+    for path in folder.glob("shard-*.safetensors"):
+        number = path.stem.removeprefix("shard-")
+        if number.isdigit():
+            found.add(int(number))
+    return found
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_header(buffer: Any) -> tuple[dict[str, Any], int]:
+    """The JSON header and where the data starts, from a bytes-like object or a map."""
+    if len(buffer) < 8:
+        raise ValueError("not a safetensors file: shorter than its 8-byte header length")
+    (size,) = struct.unpack("<Q", bytes(buffer[:8]))
+    if size > _MAX_HEADER or 8 + size > len(buffer):
+        raise ValueError(f"not a safetensors file: header length {size} does not fit in {len(buffer)} bytes")
+    return json.loads(bytes(buffer[8 : 8 + size])), 8 + size
+
+
+def tensors_from_buffer(buffer: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Zero-copy numpy views of every tensor in a safetensors buffer, and its metadata."""
+    header, start = read_header(buffer)
+    metadata = header.pop("__metadata__", None) or {}
+    out = {}
+    for name, spec in header.items():
+        dtype = _NP_DTYPES.get(spec["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has dtype {spec['dtype']}; capserve reads {', '.join(_NP_DTYPES)}")
+        begin, end = spec["data_offsets"]
+        count = (end - begin) // dtype.itemsize
+        out[name] = np.frombuffer(buffer, dtype=dtype, count=count, offset=start + begin).reshape(spec["shape"])
+    return out, metadata
+
+
+def map_shard(path: Path) -> dict[str, np.ndarray]:
+    """Read-only memory-mapped arrays of one shard file (one map; views share it)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ValueError(f"{path} is empty")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return tensors_from_buffer(mapped)[0]
+
+
+class RowArray:
+    """Rows of one tensor over every shard, in input order, without copying the shards.
+
+    Indexing with an int, a slice or an int array reads just those rows (a copy); `parts` are
+    the per-shard memory maps; `np.asarray(rows)` reads everything. Shards are mapped on first
+    access and at most 64 maps are kept open at once.
+    """
+
+    def __init__(self, capture: Capture, name: str) -> None:
+        self._capture = capture
+        self.name = name
+        first = capture._tensor(0, name) if capture.shards else None
+        tail = list(first.shape[1:]) if first is not None else []
+        self.shape = (capture.rows, *tail)
+        self.dtype = first.dtype if first is not None else np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def parts(self) -> list[np.ndarray]:
+        return [self._capture._tensor(i, self.name) for i in range(len(self._capture.shards))]
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, (int, np.integer)):
+            row = int(key) + len(self) if key < 0 else int(key)
+            if not 0 <= row < len(self):
+                raise IndexError(f"row {key} is out of range for {len(self)} rows")
+            shard = int(np.searchsorted(self._capture.row_starts, row, side="right")) - 1
+            return self._capture._tensor(shard, self.name)[row - self._capture.row_starts[shard]]
+        rows = np.arange(len(self))[key] if isinstance(key, slice) else np.asarray(key, dtype=np.int64)
+        rows = np.where(rows < 0, rows + len(self), rows)
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"row index out of range for {len(self)} rows")
+        out = np.empty((len(rows), *self.shape[1:]), dtype=self.dtype)
+        shards = np.searchsorted(self._capture.row_starts, rows, side="right") - 1
+        for shard in np.unique(shards):
+            mask = shards == shard
+            out[mask] = self._capture._tensor(int(shard), self.name)[rows[mask] - self._capture.row_starts[shard]]
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        parts = self.parts
+        whole = np.concatenate(parts) if parts else np.empty(self.shape, self.dtype)
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"RowArray({self.name!r}, shape={self.shape}, dtype={self.dtype}, shards={len(self._capture.shards)})"
+
+
+@dataclass
+class Capture:
+    """A loaded capture folder: `capture[hook]` -> RowArray [rows, d_model] in input order;
+    `capture.line/position/token_id` -> RowArray [rows] (row -> 0-based input line, token
+    position, token id); `capture.records()` -> per-line index records (`row` global)."""
+
+    folder: Path
+    manifest: dict[str, Any]
+    shards: list[Path]
+    row_starts: np.ndarray  # first global row of each shard, plus the total at the end
+    _maps: OrderedDict[int, dict[str, np.ndarray]] = field(default_factory=OrderedDict, repr=False)
+
+    @property
+    def hooks(self) -> list[str]:
+        return list(self.manifest["hooks"])
+
+    @property
+    def rows(self) -> int:
+        return int(self.row_starts[-1])
+
+    def __getitem__(self, hook: str) -> RowArray:
+        if hook not in self.manifest["hooks"] and hook not in INDEX_TENSORS:
+            raise KeyError(f"hook {hook!r} was not captured; this folder has {', '.join(self.hooks)}")
+        return RowArray(self, hook)
+
+    @property
+    def line(self) -> RowArray:
+        return RowArray(self, "capserve.line")
+
+    @property
+    def position(self) -> RowArray:
+        return RowArray(self, "capserve.position")
+
+    @property
+    def token_id(self) -> RowArray:
+        return RowArray(self, "capserve.token_id")
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Index records of every captured line in input order; `row` is the global first row."""
+        for shard, path in enumerate(self.shards):
+            with open(path.with_suffix(".jsonl")) as f:
+                for text in f:
+                    record = json.loads(text)
+                    record["row"] += int(self.row_starts[shard])
+                    yield record
+
+    def _tensor(self, shard: int, name: str) -> np.ndarray:
+        maps = self._maps.get(shard)
+        if maps is None:
+            maps = self._maps[shard] = map_shard(self.shards[shard])
+            while len(self._maps) > _OPEN_SHARDS:
+                self._maps.popitem(last=False)  # views handed out keep their own map alive
+        self._maps.move_to_end(shard)
+        return maps[name]
+
+
+def load_capture(folder: str | os.PathLike[str], allow_partial: bool = False) -> Capture:
+    """Open a `capserve capture` output folder: memory-mapped arrays per hook plus the index.
+
+    A folder whose run has not finished raises (naming the missing shards) unless
+    `allow_partial=True`, which loads the finished shards only."""
+    root = Path(folder)
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{root} has no {MANIFEST}; is it a `capserve capture --out` folder?")
+    manifest = json.loads(manifest_path.read_text())
+    numbers = sorted(finished_shards(root))
+    if not manifest.get("complete") and not allow_partial:
+        expected = manifest.get("n_shards")
+        missing = sorted(set(range(expected)) - set(numbers)) if expected is not None else "unknown"
+        raise ValueError(
+            f"the capture in {root} is not complete (finished shards: {len(numbers)}, missing: {missing}); "
+            "rerun the same `capserve capture` command to finish it, or pass allow_partial=True"
+        )
+    shards = [root / f"{shard_name(k)}.safetensors" for k in numbers]
+    counts = [shard_rows(path) for path in shards]
+    return Capture(root, manifest, shards, np.cumsum([0] + counts).astype(np.int64))
+
+
+def shard_rows(path: Path) -> int:
+    """Rows of a finished shard, from its header alone."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return int(header["capserve.line"]["shape"][0])
+

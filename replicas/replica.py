@@ -1,0 +1,256 @@
+"""`EngineReplica`: the Serve deployment that owns one `CaptureEngine` (one GPU, or CPU cores).
+
+A plain class: its collaborators (the EngineConfig, the engine class, the options) come in
+through the constructor, so tests run it with a fake engine and no Ray. `deploy.app` wraps it in
+`serve.deployment` with `num_gpus: 1` on GPU hosts and `num_gpus: 0` on CPU hosts.
+
+- `check_health` asks the engine (an RPC into its worker); a dead engine raises, and after
+  Serve's consecutive-failure threshold the replica is replaced.
+- Requests that fail because the engine died raise `ReplicaUnavailableError`, which the router
+  retries on another replica; a bad request raises `InvalidRequestError`, which it does not.
+- Shutdown (`__del__`, called by Serve after its own drain) refuses new requests, waits for the
+  in-flight ones up to `drain_timeout_s`, then shuts the engine down.
+- Metrics (`ray.serve.metrics`, tagged with deployment and replica by Serve): requests by method
+  and outcome, captured bytes, latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replicas.api import GenerateRequest, GenerateResult, ModelInfo
+from replicas.cost import request_cost
+from replicas.errors import CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
+from replicas.validation import validated
+
+logger = logging.getLogger("capserve.replica")
+
+LATENCY_BUCKETS_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000]
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's own switch; written here, before the engine starts
+TINY_PREFIX = "tiny:"
+"""A model named "tiny:<arch>" is the built-in random-weight model, built at replica start."""
+
+
+class ReplicaOptions(BaseModel):
+    """What EngineReplica receives besides its EngineConfig (set by `deploy.app`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["cpu", "gpu"] = Field("cpu", description="Where the engine runs (decided by the app builder).")
+    cpu_bind: Literal["rank", "none", "inherit"] = Field(
+        "rank",
+        description="CPU engines: 'rank' pins replica r's OpenMP threads to allowed core r mod n; "
+        "'none' leaves them to the OS scheduler; 'inherit' keeps VLLM_CPU_OMP_THREADS_BIND as set.",
+    )
+    drain_timeout_s: float = Field(60.0, ge=0, description="Shutdown waits this long for in-flight requests.")
+    health_timeout_s: float = Field(20.0, gt=0, description="check_health fails when the engine takes longer.")
+
+
+def is_tiny(model: str | None) -> bool:
+    return model is None or model.startswith(TINY_PREFIX)
+
+
+class _Metrics:
+    """Ray Serve metrics; Serve adds deployment, replica and application tags itself."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.requests = metrics.Counter(
+            "capserve_replica_requests",
+            description="Requests finished by this replica, by method and outcome.",
+            tag_keys=("method", "outcome"),
+        )
+        self.captured_bytes = metrics.Counter(
+            "capserve_replica_captured_bytes",
+            description="Bytes of activations and logits returned by this replica.",
+        )
+        self.latency_ms = metrics.Histogram(
+            "capserve_replica_latency_ms",
+            description="Time from a request's arrival at the replica to its result.",
+            boundaries=LATENCY_BUCKETS_MS,
+            tag_keys=("method",),
+        )
+
+    def record(self, method: str, outcome: str, started: float, result: GenerateResult | None) -> None:
+        self.requests.inc(tags={"method": method, "outcome": outcome})
+        self.latency_ms.observe((time.monotonic() - started) * 1000, tags={"method": method})
+        if result is not None:
+            payload = result.activation_bytes + (result.logits.nbytes if result.logits is not None else 0)
+            if payload:
+                self.captured_bytes.inc(payload)
+
+
+class EngineReplica:
+    """One engine behind Serve. Build with `await EngineReplica.open(...)` outside Serve."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        engine_config: Any,
+        engine_cls: Any = None,
+        options: Any = None,
+    ) -> None:
+        from replicas.engine import EngineConfig
+
+        self._options = options if isinstance(options, ReplicaOptions) else ReplicaOptions.model_validate(options or {})
+        config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
+        self._identity = _serve_identity()
+        self.name: str = self._identity["replica"]
+        self._in_flight: dict[int, float] = {}  # id(task) -> cost, for load() and the drain
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._metrics = _Metrics()
+        if self._options.device == "cpu" and self._options.cpu_bind != "inherit":
+            _bind_cpu(self._options.cpu_bind, self._identity["local_rank"])
+        config = config.model_copy(update={"model": _resolve_model(config.model)})
+        if engine_cls is None:
+            from replicas.engine import CaptureEngine as engine_cls
+        self._engine = await engine_cls.start(config, name=self.name)
+        self._info: ModelInfo = await self._engine.info()
+        logger.info("replica %s serving %s", self.name, self._info.model)
+
+    @classmethod
+    async def open(cls, engine_config: Any, engine_cls: Any = None, options: Any = None) -> "EngineReplica":
+        """Construct outside Serve (tests, scripts): Python cannot `await` a constructor call."""
+        replica = cls.__new__(cls)
+        await replica.__init__(engine_config, engine_cls, options)  # type: ignore[misc]
+        return replica
+
+    # ------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
+        return await self._serve("generate", request)
+
+    async def info(self) -> ModelInfo:
+        return self._info
+
+    async def load(self) -> dict[str, Any]:
+        """Outstanding work: requests in flight and their summed cost (token-equivalents)."""
+        return {
+            "replica": self.name,
+            "in_flight": len(self._in_flight),
+            "outstanding_cost": sum(self._in_flight.values()),
+            "draining": self._draining,
+        }
+
+    async def identity(self) -> dict[str, Any]:
+        """Who this replica is, including the engine's process ids (tests kill them)."""
+        return {**self._identity, "pid": os.getpid(), "engine_pids": _child_pids()}
+
+    async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising marks the replica unhealthy."""
+        try:
+            await asyncio.wait_for(self._engine.check_health(), self._options.health_timeout_s)
+        except Exception as exc:
+            raise RuntimeError(f"replica {self.name}: engine failed its health check: {exc!r}") from exc
+
+    async def _serve(self, method: str, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
+        if self._draining:
+            raise ReplicaUnavailableError(f"replica {self.name} is shutting down; retry on another replica")
+        started = time.monotonic()
+        request = validated(request)
+        key = id(asyncio.current_task())
+        self._in_flight[key] = request_cost(request, self._info.d_model, self._info.d_vocab)
+        self._idle.clear()
+        outcome, result = "error", None
+        try:
+            result = await self._engine.generate(request)
+            outcome = "ok"
+            return result
+        except (InvalidRequestError, CaptureFailedError):
+            outcome = "invalid"
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            raise await self._classify(exc) from exc
+        finally:
+            self._in_flight.pop(key, None)
+            if not self._in_flight:
+                self._idle.set()
+            self._metrics.record(method, outcome, started, result)
+
+    async def _classify(self, exc: Exception) -> Exception:
+        """An engine that no longer answers makes the failure the replica's, so the router retries."""
+        try:
+            await asyncio.wait_for(self._engine.check_health(), self._options.health_timeout_s)
+        except Exception as health:
+            return ReplicaUnavailableError(f"replica {self.name}: engine is dead ({health!r}) after {exc!r}")
+        return exc
+
+    # ------------------------------------------------------------ shutdown
+
+    async def shutdown(self) -> None:
+        """Refuse new requests, wait for in-flight ones (bounded), then stop the engine."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), self._options.drain_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("replica %s: %d requests still running after the drain timeout", self.name, len(self._in_flight))
+        await self._engine.shutdown()
+
+    def __del__(self) -> Any:
+        """Serve awaits what this returns on graceful shutdown. A replica that already shut down
+        (or never started) returns None, so a plain garbage collection creates no coroutine."""
+        if getattr(self, "_draining", True) or not hasattr(self, "_engine"):
+            return None
+        return self.shutdown()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _serve_identity() -> dict[str, Any]:
+    """Serve's replica id (what GenerateResult.replica and the router's ledger use) and actor name."""
+    try:
+        from ray import serve
+
+        context = serve.get_replica_context()
+    except Exception:  # outside Serve: a plain object in a test
+        return {"replica": f"local-{os.getpid()}", "actor_name": None, "local_rank": 0}
+    import ray
+
+    rank = getattr(context, "rank", None)
+    return {
+        "replica": context.replica_id.unique_id,
+        "actor_name": ray.get_runtime_context().get_actor_name(),
+        "local_rank": getattr(rank, "local_rank", 0) or 0,
+    }
+
+
+def _bind_cpu(mode: str, local_rank: int) -> None:
+    """vLLM's 'auto' binding would put every CPU replica's threads on the same cores, where they
+    fight; 'rank' gives replica r its own core, 'none' lets the OS place them. A user's explicit
+    VLLM_CPU_OMP_THREADS_BIND wins."""
+    if os.environ.get(CPU_BIND_ENV, "auto") != "auto":
+        return
+    if mode == "none":
+        os.environ[CPU_BIND_ENV] = "nobind"
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ[CPU_BIND_ENV] = str(cores[local_rank % len(cores)])
+
+
+def _resolve_model(model: str) -> str:
+    if not is_tiny(model):
+        return model
+    from replicas.tiny import make_tiny_model
+
+    return make_tiny_model(model.removeprefix(TINY_PREFIX) or "llama")
+
+
+def _child_pids() -> list[dict[str, Any]]:
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    return [{"pid": c.pid, "name": c.name()} for c in children]

