@@ -3,8 +3,8 @@
 `inspect eval` runs as a subprocess (the CLI, a task file with only inspect_ai imports), joins the
 test's Ray cluster by its GCS address and reaches the app by name. Every sample's activations are
 read back from the .eval log and compared with a direct capture of the same chat messages through
-the app handle. The last test scales the app to one replica and reports the eval's wall time
-against two replicas (measured, not asserted).
+the app handle. The last test (run it with CAPSERVE_MEASURE=1 and `-s`) scales the app to one
+replica and prints the eval's wall time against two replicas (measured, not asserted).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def inspect_env(root: Path) -> dict[str, str]:
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: capserve-dev\nVersion: 0.0.0\n")
         (dist / "entry_points.txt").write_text("[inspect_ai]\ncapserve = provider._registry\n")
         paths.append(str(root / "site"))
-    env = dict(os.environ)
+    env = dict(os.environ)  # carries RAY_AUTH_MODE=token, which ray.init set for the local cluster
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("RAY_ADDRESS", None)
     return env
@@ -253,6 +253,7 @@ def test_client_sync_and_async_capture_many_equal_the_handle(cluster):
 # ---------------------------------------------------------------- measured, not asserted (runs last: it scales the app down)
 
 
+@pytest.mark.skipif(not os.environ.get("CAPSERVE_MEASURE"), reason="a measurement (~5 min): set CAPSERVE_MEASURE=1")
 def test_eval_wall_time_two_replicas_vs_one(cluster):
     """Evals on 2 replicas, then on 1 after scaling the app down. Printed, not asserted (the
     machine is shared). Two shapes: the acceptance eval's 20 samples (one engine batches all of
