@@ -31,7 +31,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
-from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo
+from replicas.api import CaptureSpec, GenerateRequest, ModelInfo
 from replicas.cost import request_cost
 from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.validation import validated
@@ -102,11 +102,14 @@ class HandlePool(ReplicaPool):
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
+        self._by_method: dict[str, Any] = {}
         self.retryable = _retryable_errors()
 
     @asynccontextmanager
     async def reserve(self, method: str, hint: RouteHint) -> AsyncIterator[ReplicaSlot]:
-        handle = self._handle.options(method_name=method)
+        handle = self._by_method.get(method)
+        if handle is None:  # one options() copy per method, not per request
+            handle = self._by_method[method] = self._handle.options(method_name=method)
         async with handle.choose_replica(hint) as selection:
             yield _HandleSlot(handle, selection)
 

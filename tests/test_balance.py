@@ -103,7 +103,7 @@ def test_avoided_and_suspect_replicas_are_left_out_while_others_remain():
 def test_equal_replicas_share_evenly():
     ledger = CostLedger(rng=random.Random(3))
     picks = Counter()
-    for i in range(1000):
+    for _ in range(1000):
         picks[ledger.rank(["a", "b", "c"])[0]] += 1  # nothing held: only the tie-break decides
     assert min(picks.values()) > 280, picks
     held = Counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,13 @@ from tests.hf_reference import hf_activations
 
 pytestmark = pytest.mark.serve
 
-PORT = 8731
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = _free_port()  # other test runs may share this machine
 URL = f"http://127.0.0.1:{PORT}"
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -122,7 +129,7 @@ def test_capture_batch_keeps_input_order_and_by_reference_returns_the_replica_ob
     results = app.handle.capture_batch.remote(batch).result(timeout_s=600)
     singles = gather([app.handle.capture.remote(r) for r in batch])
     assert [r.prompt_token_ids for r in results] == [s.prompt_token_ids for s in singles]
-    for got, single in zip(results, singles):
+    for got, single in zip(results, singles, strict=True):
         np.testing.assert_allclose(got.activations[HOOKS[0]], single.activations[HOOKS[0]], atol=TOL, rtol=0)
     ref = app.handle.capture.remote(batch[0], by_reference=True).result(timeout_s=600)
     assert isinstance(ref, ray.ObjectRef)

@@ -2,8 +2,8 @@
 
 The copy holds what a clone holds (tracked and untracked-but-not-ignored files, no caches) and
 the tiny model is built at replica start into an empty cache. The Ray head is started with
-`ray start --head --block` so the test can reach the app's handle; both processes are ours and
-are stopped by pid at the end.
+`ray start --head --block` (in a private temp dir, so no other Ray user here finds it) so the
+test can reach the app's handle; both processes are ours and are stopped by pid at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,17 +103,21 @@ def test_serve_run_from_a_fresh_copy_answers_handle_and_http(tmp_path):
         http_port = free_port()
         config.write_text(config.read_text().replace("port: 8000", f"port: {http_port}"))
     gcs = f"127.0.0.1:{free_port()}"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="capserve-ray-", dir="/tmp"))  # short: Ray's sockets live here
     env = {
         **os.environ,
         "CAPSERVE_CACHE": str(tmp_path / "cache"),
         "PATH": f"{BIN}:{os.environ['PATH']}",
         "RAY_AUTH_MODE": "disabled",  # a throwaway head on this machine; no token to hand around
+        # The head records its address under Ray's temp dir for `ray.init()`/"auto" callers; a
+        # private one keeps other Ray users on this machine from finding (and joining) it.
+        "RAY_TMPDIR": str(ray_tmp),
     }
     env.pop("RAY_ADDRESS", None)
     env.pop("PYTHONPATH", None)  # the copy must import itself, not this checkout
     head = subprocess.Popen(
         ["ray", "start", "--head", f"--port={gcs.split(':')[1]}", "--num-cpus=4", "--include-dashboard=false",
-         "--disable-usage-stats", "--block"],
+         "--disable-usage-stats", f"--temp-dir={ray_tmp}", "--block"],
         cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     serve_run = None
@@ -139,11 +144,4 @@ def test_serve_run_from_a_fresh_copy_answers_handle_and_http(tmp_path):
         if serve_run is not None:
             stop(serve_run, signal.SIGINT)
         stop(head, signal.SIGTERM)
-        forget_head(gcs)
-
-
-def forget_head(gcs: str) -> None:
-    """`ray start` records its address for later `ray.init()` calls; a stopped head must not stay there."""
-    record = Path("/tmp/ray/ray_current_cluster")
-    if record.is_file() and record.read_text().strip().endswith(":" + gcs.split(":")[1]):
-        record.unlink()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
