@@ -17,10 +17,12 @@ Rows whose slot is 0 come out bit-identical.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from replicas.hooks import HookPoint
+from replicas.plans import EditPlan
 
 # Columns of an edit-table row after the two d_model-wide vectors (proj, add).
 FACTOR_COLUMN, ADD_COEF_COLUMN, NORM_COEF_COLUMN = 0, 1, 2
@@ -89,3 +91,25 @@ class Site(nn.Module):
         if self.run_capture:
             stage_rows(h, self.staging)
         return h
+
+
+def identity_row(d_model: int) -> np.ndarray:
+    row = np.zeros(2 * d_model + 3, dtype=np.float32)
+    row[2 * d_model + FACTOR_COLUMN] = 1.0
+    return row
+
+
+def table_row(edit: EditPlan, d_model: int) -> np.ndarray:
+    """The edit-table row (see replicas.sites) that applies one intervention."""
+    row = identity_row(d_model)
+    if edit.op == "project_out":
+        row[:d_model] = edit.direction
+    elif edit.op == "scale":
+        row[2 * d_model + FACTOR_COLUMN] = edit.factor
+    elif edit.op == "add" and edit.norm_match:
+        row[d_model : 2 * d_model] = edit.direction / np.linalg.norm(edit.direction)
+        row[2 * d_model + NORM_COEF_COLUMN] = edit.scale
+    elif edit.op == "add":
+        row[d_model : 2 * d_model] = edit.direction * edit.scale
+        row[2 * d_model + ADD_COEF_COLUMN] = 1.0
+    return row  # set: identity row; its values are written per step

@@ -29,7 +29,7 @@ import torch
 from replicas import _vllm, arrays
 from replicas.hooks import LAYER_KINDS, HookPoint
 from replicas.plans import PLAN_KEY, EditPlan, RequestPlan, selected_offsets, value_rows
-from replicas.sites import ADD_COEF_COLUMN, FACTOR_COLUMN, NORM_COEF_COLUMN, Site
+from replicas.sites import Site, identity_row, table_row
 
 _CLOSED_KEYS_KEPT = 10_000
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -398,12 +398,12 @@ class _CaptureState:
         if not free:
             raise RuntimeError(f"all {self.edit_slots} edit slots of {site.point.canonical_name} are in use")
         edit.slot = free.pop()
-        site.table[edit.stage, edit.slot] = torch.from_numpy(_table_row(edit, site.d_model)).to(self.device, site.table.dtype)
+        site.table[edit.stage, edit.slot] = torch.from_numpy(table_row(edit, site.d_model)).to(self.device, site.table.dtype)
         entry.slots.append((site, edit.stage, edit.slot))
 
     def _free(self, entry: _Captured) -> None:
         for site, stage, slot in entry.slots:
-            site.table[stage, slot] = torch.from_numpy(_identity_row(site.d_model)).to(self.device, site.table.dtype)
+            site.table[stage, slot] = torch.from_numpy(identity_row(site.d_model)).to(self.device, site.table.dtype)
             self._free_slots[(id(site), stage)].append(slot)
         entry.slots.clear()
 
@@ -454,28 +454,6 @@ class _CaptureState:
             "seconds": dict(self.seconds),  # worker time outside the forward, for profiling
             "time": time.time(),
         }
-
-
-def _identity_row(d_model: int) -> np.ndarray:
-    row = np.zeros(2 * d_model + 3, dtype=np.float32)
-    row[2 * d_model + FACTOR_COLUMN] = 1.0
-    return row
-
-
-def _table_row(edit: EditPlan, d_model: int) -> np.ndarray:
-    """The edit-table row (see replicas.sites) that applies one intervention."""
-    row = _identity_row(d_model)
-    if edit.op == "project_out":
-        row[:d_model] = edit.direction
-    elif edit.op == "scale":
-        row[2 * d_model + FACTOR_COLUMN] = edit.factor
-    elif edit.op == "add" and edit.norm_match:
-        row[d_model : 2 * d_model] = edit.direction / np.linalg.norm(edit.direction)
-        row[2 * d_model + NORM_COEF_COLUMN] = edit.scale
-    elif edit.op == "add":
-        row[d_model : 2 * d_model] = edit.direction * edit.scale
-        row[2 * d_model + ADD_COEF_COLUMN] = 1.0
-    return row  # set: identity row; its values are written per step
 
 
 SPILL_BYTES = 64 << 10
