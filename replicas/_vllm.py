@@ -137,6 +137,11 @@ class StepLayout:
     def num_tokens(self) -> int:
         return int(self.offsets[-1]) if len(self.offsets) else 0
 
+    def chunk(self, k: int) -> tuple[int, int, int]:
+        """Request k's (first row, absolute position of that row, number of rows) in this step."""
+        first = int(self.offsets[k])
+        return first, int(self.start_positions[k]), int(self.offsets[k + 1]) - first
+
 
 def step_layout(runner: Any) -> StepLayout:
     """Read once the runner has prepared the step's inputs (inside `_model_forward`)."""

@@ -20,6 +20,8 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -196,12 +198,17 @@ class _CaptureState:
 
     # ------------------------------------------------------------ per step, outside the graph
 
-    def before_step(self) -> None:
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
         began = time.perf_counter()
         try:
-            self._prepare()
+            yield
         finally:
-            self.seconds["prepare"] += time.perf_counter() - began
+            self.seconds[phase] += time.perf_counter() - began
+
+    def before_step(self) -> None:
+        with self._timed("prepare"):
+            self._prepare()
 
     def _prepare(self) -> None:
         step = _vllm.step_layout(self.runner)
@@ -223,8 +230,7 @@ class _CaptureState:
                 captured.update(self._captured_sites(plan))
             if not plan.edits:
                 continue
-            lo = int(step.offsets[k])
-            start, count = int(step.start_positions[k]), int(step.offsets[k + 1]) - lo
+            lo, start, count = step.chunk(k)
             for edit in plan.edits:
                 rows = edit.offsets(start, count, plan.prompt_len)
                 if isinstance(rows, slice):
@@ -248,11 +254,8 @@ class _CaptureState:
             self._write_edit_rows(edits, step.num_tokens)
 
     def after_step(self) -> None:
-        began = time.perf_counter()
-        try:
+        with self._timed("collect"):
             self._collect_step()
-        finally:
-            self.seconds["collect"] += time.perf_counter() - began
 
     def _captured_sites(self, plan: RequestPlan) -> list[Site]:
         sites = [self.sites[(layer, kind)] for layer, kind, _ in plan.capture.sites] if plan.capture else []
@@ -294,8 +297,7 @@ class _CaptureState:
             entry = self.requests.get(req_id)
             if entry is None or entry.error or not entry.returns_data:
                 continue
-            lo = int(step.offsets[k])
-            start, count = int(step.start_positions[k]), int(step.offsets[k + 1]) - lo
+            lo, start, count = step.chunk(k)
             fresh_from = max(entry.processed_upto - start, 0)
             entry.processed_upto = max(entry.processed_upto, start + count)
             plan = entry.plan
@@ -425,19 +427,17 @@ class _CaptureState:
             self.by_key.pop(entry.plan.key, None)
 
     def take(self, key: str) -> list[dict[str, Any]]:
-        """Everything captured for the request(s) with this key, then forget them."""
-        began = time.perf_counter()
-        self.closed_keys[key] = None
-        while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
-            self.closed_keys.pop(next(iter(self.closed_keys)))
-        self._drain(wait=True)
-        results = []
-        for req_id in sorted(self.by_key.pop(key, [])):
-            entry = self.requests.pop(req_id)
-            self._free(entry)
-            results.append(_result(entry, self._spill_path(key)))
-        self.seconds["take"] += time.perf_counter() - began
-        return results
+        """What the request with this key captured — from its first completion when n > 1, as
+        GenerateRequest.n documents — then forget every completion of it."""
+        with self._timed("take"):
+            self.closed_keys[key] = None
+            while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
+                self.closed_keys.pop(next(iter(self.closed_keys)))
+            self._drain(wait=True)
+            entries = [self.requests.pop(req_id) for req_id in sorted(self.by_key.pop(key, []))]
+            for entry in entries:
+                self._free(entry)
+            return [_result(entries[0], self._spill_path(key))] if entries else []
 
     def _spill_path(self, key: str) -> Callable[[str], str] | None:
         if not self.spill_dir:

@@ -223,3 +223,15 @@ def test_step_preparation_runs_on_every_step(loop, engines):
     before = loop.run(engine.check_health())["steps"]
     loop.run(engine.generate({"prompt": prompt_ids(12, 13), "max_tokens": 10, "ignore_eos": True}))
     assert loop.run(engine.check_health())["steps"] - before == 10
+
+
+def test_n_completions_capture_follows_the_first(loop, engines):
+    engine = engines["llama"]
+    request = {"prompt": prompt_ids(6, 17), "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": True,
+               "capture": {"hooks": [f"{i}:resid_post" for i in range(4)], "positions": "all"}}
+    result = loop.run(engine.generate(request))
+    assert result.capture_token_ids == result.prompt_token_ids + result.choices[0].token_ids[:-1]
+    alone = loop.run(engine.generate(request | {"n": 1, "prompt": result.prompt_token_ids + result.choices[0].token_ids[:-1],
+                                                "max_tokens": 1, "capture": request["capture"] | {"positions": "prompt"}}))
+    for name, rows in result.activations.items():
+        assert_close(rows, alone.activations[name], atol=TOL)
