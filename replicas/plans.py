@@ -29,21 +29,35 @@ class PlanError(InvalidRequestError):
 # ---------------------------------------------------------------- positions
 
 
-def selected_range(spec: Positions, start: int, count: int, prompt_len: int) -> tuple[int, int] | None:
-    """For a position mode, the offsets [a, b) it selects in a chunk of `count` rows whose first
-    row is at absolute position `start` (modes are ranges, so no search); None for explicit indices."""
+# Position modes as integer codes, so one step's selection is computed for every request at once.
+MODE_CODES = {"all": 0, "prompt": 1, "generated": 2, "last_prompt": 3}
+EXPLICIT = -1  # a list of indices: selected request by request
+PHASE_MODES = {"all": "all", "prefill": "prompt", "decode": "generated"}
+
+
+def mode_code(spec: Positions) -> int:
+    return MODE_CODES[spec] if isinstance(spec, str) else EXPLICIT
+
+
+def selected_spans(
+    mode: np.ndarray, start: np.ndarray, count: np.ndarray, prompt_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For chunks of `count` rows whose first row sits at absolute position `start`, the offsets
+    [a, b) each position mode selects (modes are ranges, so no search). Arrays in, arrays out;
+    rows of EXPLICIT mode come out as garbage for the caller to replace."""
     end = start + count
-    if spec == "all":
-        lo, hi = start, end
-    elif spec == "prompt":
-        lo, hi = start, min(end, prompt_len)
-    elif spec == "generated":
-        lo, hi = max(start, prompt_len), end
-    elif spec == "last_prompt":
-        lo, hi = max(start, prompt_len - 1), min(end, prompt_len)
-    else:
+    lo = np.where(mode == 2, np.maximum(start, prompt_len), np.where(mode == 3, np.maximum(start, prompt_len - 1), start))
+    hi = np.where((mode == 1) | (mode == 3), np.minimum(end, prompt_len), end)
+    return lo - start, np.maximum(hi, lo) - start
+
+
+def selected_range(spec: Positions, start: int, count: int, prompt_len: int) -> tuple[int, int] | None:
+    """`selected_spans` for one chunk; None for explicit indices."""
+    code = mode_code(spec)
+    if code == EXPLICIT:
         return None
-    return lo - start, max(hi, lo) - start
+    a, b = selected_spans(np.array(code), np.array(start), np.array(count), np.array(prompt_len))
+    return int(a), int(b)
 
 
 def selected_offsets(spec: Positions, start: int, count: int, prompt_len: int) -> np.ndarray:
@@ -139,13 +153,17 @@ def build_wire_plan(
             )
         plan["capture"] = {
             "sites": [[p.layer, p.kind, name] for p, name in zip(points, capture.hooks)],
+            "max_rows": count_positions(capture.positions, prompt_len, request.max_tokens),
             "positions": capture.positions,
             "reduce": capture.reduce,
             "dtype": capture.dtype,
         }
     if logits is not None:
         check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
-        plan["logits"] = {"positions": logits.positions}
+        plan["logits"] = {
+            "positions": logits.positions,
+            "max_rows": count_positions(logits.positions, prompt_len, request.max_tokens),
+        }
     plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, edit_stages)
     return plan
 
@@ -230,19 +248,17 @@ class EditPlan:
     factor: float = 1.0
     slot: int = 0  # assigned by the worker
 
-    def offsets(self, start: int, count: int, prompt_len: int) -> slice | np.ndarray:
-        """Rows of a chunk this edit touches (its positions within its phase): a slice for
-        position modes, which is all a decode step of a steered request needs."""
-        if self.positions == "all" and self.phase == "all":  # steering vectors: every row
-            return slice(0, count)
-        phase = {"prefill": "prompt", "decode": "generated"}.get(self.phase, "all")
-        phase_span = selected_range(phase, start, count, prompt_len)
-        span = selected_range(self.positions, start, count, prompt_len)
-        if span is not None and phase_span is not None:
-            lo, hi = max(span[0], phase_span[0]), min(span[1], phase_span[1])
-            return slice(lo, max(lo, hi))
+    @property
+    def vectorized(self) -> bool:
+        """Range positions and no per-row values: the step loop selects its rows for every such
+        request at once; the others go request by request (`offsets`)."""
+        return self.op != "set" and mode_code(self.positions) != EXPLICIT
+
+    def offsets(self, start: int, count: int, prompt_len: int) -> np.ndarray:
+        """Offsets of the rows of a chunk this edit touches: its positions within its phase."""
+        phase = selected_range(PHASE_MODES[self.phase], start, count, prompt_len)
         offsets = selected_offsets(self.positions, start, count, prompt_len)
-        return offsets[(offsets >= phase_span[0]) & (offsets < phase_span[1])]
+        return offsets[(offsets >= phase[0]) & (offsets < phase[1])]
 
 
 @dataclass
@@ -251,6 +267,7 @@ class CapturePlan:
     positions: Positions
     reduce: str
     dtype: str
+    max_rows: int  # positions it can select: the size of its host buffer
 
 
 @dataclass
@@ -259,6 +276,7 @@ class RequestPlan:
     prompt_len: int
     capture: CapturePlan | None
     logits_positions: Positions | None
+    logits_rows: int = 0
     edits: list[EditPlan] = field(default_factory=list)
 
     @classmethod
@@ -273,8 +291,10 @@ class RequestPlan:
                 positions=capture["positions"],
                 reduce=capture["reduce"],
                 dtype=capture["dtype"],
+                max_rows=int(capture["max_rows"]),
             ),
             logits_positions=None if logits is None else logits["positions"],
+            logits_rows=0 if logits is None else int(logits["max_rows"]),
             edits=[_edit_from_wire(e) for e in wire.get("edits", [])],
         )
 

@@ -10,6 +10,7 @@ One stage of the per-row edit, for slot s of the row (all read from one table ro
     h = h - (h . proj[s]) proj[s]                 # project_out (proj[0] = 0)
     h = h * factor[s]                             # scale       (factor[0] = 1)
     h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
+(a row holds one op, so |h| is the stage's input norm and one reduction pass serves both sums)
     h = values[row] where set_stage[row] == stage  # set (activation patching)
 Inside a compiled graph the stage fuses to a gather, one reduction and pointwise work.
 Rows whose slot is 0 come out bit-identical.
@@ -84,9 +85,12 @@ class Site(nn.Module):
             direction, add = row[:, :d], row[:, d : 2 * d]
             factor = row[:, 2 * d + FACTOR_COLUMN]
             add_coef, norm_coef = row[:, 2 * d + ADD_COEF_COLUMN], row[:, 2 * d + NORM_COEF_COLUMN]
-            h = h - (h * direction).sum(-1, keepdim=True) * direction
-            h = h * factor.unsqueeze(-1)
-            h = h + add * (add_coef + norm_coef * h.norm(dim=-1)).unsqueeze(-1)
+            # One reduction pass: a table row holds one op, so when the add is norm-matched the
+            # row's direction is 0 and its factor 1, and the norm it needs is the input's.
+            dot = (h * direction).sum(-1, keepdim=True)
+            norm = (h * h).sum(-1, keepdim=True).sqrt()
+            h = (h - dot * direction) * factor.unsqueeze(-1)
+            h = h + add * (add_coef.unsqueeze(-1) + norm_coef.unsqueeze(-1) * norm)
             h = torch.where((self.set_stage[:n] == stage).unsqueeze(-1), self.values[:n], h)
         if self.run_capture:
             stage_rows(h, self.staging)

@@ -16,65 +16,134 @@ nothing cost one set lookup per step.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from replicas import _vllm, arrays
+from replicas import _vllm
 from replicas.hooks import LAYER_KINDS, HookPoint
-from replicas.plans import PLAN_KEY, EditPlan, RequestPlan, selected_offsets, value_rows
+from replicas.outbox import Outbox, RequestBuffers, StepRows, discard
+from replicas.plans import (
+    EXPLICIT,
+    PHASE_MODES,
+    PLAN_KEY,
+    EditPlan,
+    RequestPlan,
+    mode_code,
+    selected_offsets,
+    selected_spans,
+    value_rows,
+)
 from replicas.sites import Site, identity_row, table_row
 
 _CLOSED_KEYS_KEPT = 10_000
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+UNPLANNED = -2  # handle of a running request that asked for nothing
+NEW = -1  # a request the worker has not seen yet
+NO_LOGITS = -9
+
+
 @dataclass
-class _Captured:
-    """What one request asked for and what it has produced, until the replica takes it."""
+class _Entry:
+    """What one request asked for, until the replica takes its result."""
 
     plan: RequestPlan
-    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    positions: list[np.ndarray] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-    logits_positions: list[np.ndarray] = field(default_factory=list)
-    # Rows below this position were already seen: a request recomputed after preemption
-    # runs them again, and they must not be recorded twice.
-    processed_upto: int = 0
+    name: str  # unique among the worker's requests: names its result files
+    handle: int
+    buffers: RequestBuffers | None  # None when it captures nothing
     slots: list[tuple[Site, int, int]] = field(default_factory=list)  # (site, stage, slot)
+    finishing: bool = False
     error: str | None = None
 
+
+class _Columns:
+    """Per-request integers the step loop reads for a whole batch with one numpy gather: row h
+    belongs to the request with handle h; the last row keeps every column's neutral value and
+    stands for requests without a plan."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self.free = list(range(capacity - 1, -1, -1))
+        self.columns: dict[str, np.ndarray] = {}
+        self.neutral: dict[str, int] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def add(self, name: str, neutral: int = 0) -> None:
+        self.columns[name] = np.full(self.capacity + 1, neutral, np.int64)
+        self.neutral[name] = neutral
+
+    def allocate(self) -> int:
+        if not self.free:
+            self._grow()
+        return self.free.pop()
+
+    def release(self, handle: int) -> None:
+        for name, column in self.columns.items():
+            column[handle] = self.neutral[name]
+        self.free.append(handle)
+
+    def rows(self, handles: np.ndarray) -> np.ndarray:
+        return np.where(handles >= 0, handles, self.capacity)
+
+    def _grow(self) -> None:
+        grown = 2 * self.capacity
+        for name, column in self.columns.items():
+            wider = np.full(grown + 1, self.neutral[name], np.int64)
+            wider[: self.capacity] = column[: self.capacity]
+            self.columns[name] = wider
+        self.free.extend(range(grown - 1, self.capacity - 1, -1))
+        self.capacity = grown
+
+
+@dataclass
+class _Batch:
+    """The step's layout and, per request, its row in `_Columns`."""
+
+    step: _vllm.StepLayout
+    rows: np.ndarray
+
     @property
-    def returns_data(self) -> bool:
-        return self.plan.capture is not None or self.plan.logits_positions is not None
+    def first_rows(self) -> np.ndarray:
+        return self.step.offsets[:-1]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for rows in self.rows.values() for t in rows)
-
-
-@dataclass
-class _PendingCopy:
-    """One step's gathered rows on their way to host memory."""
-
-    event: Any  # CUDA event recorded after the copies; None on CPU
-    tensors: list[torch.Tensor]
-    parts: list[tuple[str, "_Captured", str, int, int, int]]  # (kind, entry, name, tensor, lo, hi)
+    @property
+    def counts(self) -> np.ndarray:
+        return np.diff(self.step.offsets)
 
 
 @dataclass
-class _RowEdit:
-    rows: slice | np.ndarray  # rows of the step's flattened batch
-    edit: EditPlan
-    values: np.ndarray | None  # set: one value row per edited row
+class _Selection:
+    """Rows of a step picked for a set of requests: request i owns rows[offsets[i]:][:counts[i]]."""
+
+    requests: list[_Entry]
+    rows: np.ndarray  # rows of the step's flattened batch
+    positions: np.ndarray  # their absolute positions
+    offsets: np.ndarray
+    counts: np.ndarray
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), in one pass."""
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> None:
+    """row[s:e] = v for disjoint ranges, in one pass (a difference array)."""
+    steps = np.zeros(len(row) + 1, np.int64)
+    np.add.at(steps, starts, values)
+    np.add.at(steps, ends, -values)
+    row += np.cumsum(steps[:-1])
 
 
 class _CaptureState:
@@ -88,7 +157,6 @@ class _CaptureState:
         self.edit_stages = int(options.get("edit_stages", 1))
         self.edit_slots = int(options.get("edit_slots", 64))
         self.eager = bool(options.get("eager", False))
-        self.spill_dir = options.get("spill_dir")  # large results go through shared memory
         model_dtype = next(runner.get_model().parameters()).dtype
         site_args = dict(
             d_model=self.layout.d_model, max_tokens=self.max_tokens, edit_slots=self.edit_slots + 1,
@@ -105,13 +173,22 @@ class _CaptureState:
         self._free_slots = {
             (id(s), stage): list(range(self.edit_slots, 0, -1)) for s in self.sites.values() for stage in range(s.edit_stages)
         }
-        self.requests: dict[str, _Captured] = {}  # by vLLM's internal request id
+        self.columns = _Columns()
+        for name, neutral in (("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0)):
+            self.columns.add(name, neutral)
+        self.lanes: dict[tuple[Site, int], str] = {}  # (site, stage) -> prefix of its edit columns
+        self.groups: dict[tuple, int] = {}  # (hooks, dtype, reduce) -> capture group
+        self.group_sites: list[tuple[list[Site], str, str]] = []
+        self.handle_of: dict[str, int] = {}  # vLLM request id -> handle (or UNPLANNED)
+        self.entry_at: dict[int, _Entry] = {}
+        self.requests: dict[str, _Entry] = {}  # by vLLM request id, until taken
         self.by_key: dict[str, list[str]] = {}
-        self.unplanned: set[str] = set()  # running requests that asked for nothing
         self.closed_keys: dict[str, None] = {}  # insertion-ordered set of taken keys
+        self.names = itertools.count()
         self._dirty_rows: dict[Site, int] = {}
-        self._pending: deque[_PendingCopy] = deque()
-        self._step: _vllm.StepLayout | None = None
+        self._batch: _Batch | None = None
+        self.outbox = Outbox(options.get("spill_dir"))
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.steps = 0
         self.rows_captured = 0
         self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0}
@@ -210,191 +287,231 @@ class _CaptureState:
         with self._timed("prepare"):
             self._prepare()
 
-    def _prepare(self) -> None:
-        step = _vllm.step_layout(self.runner)
-        self._step = step
-        self.steps += 1
-        self.unplanned.intersection_update(step.req_ids)
-        if self.requests:
-            self._release_finished()
-        edits: dict[Site, list[_RowEdit]] = {}
-        captured: set[Site] = set()
-        for k, req_id in enumerate(step.req_ids):
-            if req_id in self.unplanned:
-                continue
-            entry = self.requests.get(req_id) or self._admit(req_id)
-            if entry is None or entry.error:
-                continue
-            plan = entry.plan
-            if self.eager:
-                captured.update(self._captured_sites(plan))
-            if not plan.edits:
-                continue
-            lo, start, count = step.chunk(k)
-            for edit in plan.edits:
-                rows = edit.offsets(start, count, plan.prompt_len)
-                if isinstance(rows, slice):
-                    if rows.start == rows.stop:
-                        continue
-                    rows = slice(lo + rows.start, lo + rows.stop)
-                elif len(rows):
-                    rows = lo + rows
-                else:
-                    continue
-                values = None
-                if edit.op == "set":
-                    positions = start - lo + (np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows)
-                    values = edit.values[value_rows(edit.positions, positions, plan.prompt_len, len(edit.values))]
-                edits.setdefault(self.sites[edit.site], []).append(_RowEdit(rows, edit, values))
-        if self.eager:  # compiled graphs never read these flags; eager mode skips idle sites
-            for site in self.sites.values():
-                site.run_capture = site in captured
-                site.run_edits = site in edits
-        if edits or self._dirty_rows:
-            self._write_edit_rows(edits, step.num_tokens)
-
     def after_step(self) -> None:
         with self._timed("collect"):
             self._collect_step()
 
-    def _captured_sites(self, plan: RequestPlan) -> list[Site]:
-        sites = [self.sites[(layer, kind)] for layer, kind, _ in plan.capture.sites] if plan.capture else []
-        if plan.logits_positions is not None:
-            sites.append(self.sites[(None, "ln_final")])
-        return sites
+    def _prepare(self) -> None:
+        """Admit the step's new requests and point the rows each request edits at its slots."""
+        step = _vllm.step_layout(self.runner)
+        self.steps += 1
+        self._release_finished()
+        handles = np.fromiter((self.handle_of.get(r, NEW) for r in step.req_ids), np.int64, len(step.req_ids))
+        for k in np.flatnonzero(handles == NEW).tolist():
+            handles[k] = self._admit(step.req_ids[k])
+        batch = self._batch = _Batch(step, self.columns.rows(handles))
+        if not self.requests:
+            slots, sets = {}, {}
+        else:
+            slots, sets = self._edit_slots(batch)
+        if self.eager:  # compiled graphs never read these flags; eager mode skips idle sites
+            captured = self._captured_sites(batch)
+            for site in self.sites.values():
+                site.run_capture = site in captured
+                site.run_edits = site in slots
+        if slots or self._dirty_rows:
+            self._write_edit_rows(slots, sets, step.num_tokens)
 
-    def _write_edit_rows(self, edits: dict[Site, list[_RowEdit]], num_tokens: int) -> None:
-        """Point each edited row at its slot; reset the rows the previous step pointed."""
-        for site in set(self._dirty_rows) | set(edits):
+    def _edit_slots(self, batch: _Batch) -> tuple[dict[Site, np.ndarray], dict[Site, list[tuple[int, np.ndarray, np.ndarray]]]]:
+        """Per steered site, the slot of every row of the step and stage ([stages, tokens]); and
+        the `set` values to write (stage, rows, values)."""
+        step, columns = batch.step, self.columns
+        first, counts, start = batch.first_rows, batch.counts, step.start_positions
+        prompt_len = columns["prompt_len"][batch.rows]
+        slots: dict[Site, np.ndarray] = {}
+        for (site, stage), lane in self.lanes.items():
+            slot = columns[lane + "slot"][batch.rows]
+            k = np.flatnonzero(slot)
+            if not len(k):
+                continue
+            rows = batch.rows[k]
+            args = (start[k], counts[k], prompt_len[k])
+            a, b = selected_spans(columns[lane + "positions"][rows], *args)
+            phase_a, phase_b = selected_spans(columns[lane + "phase"][rows], *args)
+            a = np.maximum(a, phase_a)
+            b = np.maximum(np.minimum(b, phase_b), a)
+            table = slots.setdefault(site, np.zeros((site.edit_stages, step.num_tokens), np.int64))
+            _fill_ranges(table[stage], first[k] + a, first[k] + b, slot[k])
+        sets: dict[Site, list[tuple[int, np.ndarray, np.ndarray]]] = {}
+        for k in np.flatnonzero(columns["fallback"][batch.rows]).tolist():
+            entry = self.entry_at[int(batch.rows[k])]
+            lo, start_k, count = step.chunk(k)
+            for edit in entry.plan.edits:
+                if edit.vectorized:
+                    continue
+                offsets = edit.offsets(start_k, count, entry.plan.prompt_len)
+                if not len(offsets):
+                    continue
+                site = self.sites[edit.site]
+                table = slots.setdefault(site, np.zeros((site.edit_stages, step.num_tokens), np.int64))
+                table[edit.stage, lo + offsets] = edit.slot
+                if edit.op == "set":
+                    values = edit.values[value_rows(edit.positions, start_k + offsets, entry.plan.prompt_len, len(edit.values))]
+                    sets.setdefault(site, []).append((edit.stage, lo + offsets, values))
+        return slots, sets
+
+    def _write_edit_rows(
+        self, slots: dict[Site, np.ndarray], sets: dict[Site, list[tuple[int, np.ndarray, np.ndarray]]], num_tokens: int
+    ) -> None:
+        """Copy each steered site's row slots to the device; reset the rows the previous step
+        pointed at for sites no longer steered."""
+        for site in set(self._dirty_rows) | set(slots):
             previous = self._dirty_rows.pop(site, 0)
-            if site not in edits:
+            if site not in slots:
                 site.slot[:, :previous] = 0
                 site.set_stage[:previous] = -1
                 continue
             width = max(previous, num_tokens)
             slot = np.zeros((site.edit_stages, width), dtype=np.int64)
+            slot[:, :num_tokens] = slots[site]
             set_stage = np.full(width, -1, dtype=np.int64)
-            for row_edit in edits[site]:
-                slot[row_edit.edit.stage, row_edit.rows] = row_edit.edit.slot
-                if row_edit.values is not None:
-                    set_stage[row_edit.rows] = row_edit.edit.stage
-                    site.values[row_edit.rows if isinstance(row_edit.rows, slice) else torch.from_numpy(row_edit.rows)] = (
-                        torch.from_numpy(row_edit.values).to(self.device, site.values.dtype)
-                    )
+            for stage, rows, values in sets.get(site, ()):
+                set_stage[rows] = stage
+                site.values[torch.from_numpy(rows)] = torch.from_numpy(values).to(self.device, site.values.dtype)
             site.slot[:, :width].copy_(torch.from_numpy(slot), non_blocking=True)
             site.set_stage[:width].copy_(torch.from_numpy(set_stage), non_blocking=True)
             self._dirty_rows[site] = num_tokens
 
+    def _captured_sites(self, batch: _Batch) -> set[Site]:
+        groups = np.unique(self.columns["group"][batch.rows])
+        sites = {site for g in groups.tolist() if g >= 0 for site in self.group_sites[g][0]}
+        if (self.columns["logits"][batch.rows] != NO_LOGITS).any():
+            sites.add(self.sites[(None, "ln_final")])
+        return sites
+
     def _collect_step(self) -> None:
-        """Gather what every request asked for in one index_select per hook, reduce on the
-        device, and start one copy to host per hook; the rows reach their requests when the copy
-        is done (`_drain`)."""
-        step = self._step
-        if not self.requests or step is None:
+        """Pick the rows every request asked for — one index_select per hook and group of
+        requests — reduce them on the device and start one copy to host per group; the outbox
+        thread files them per request once the copy is done."""
+        batch = self._batch
+        if batch is None or not self.requests:
             return
-        groups: dict[tuple, list[tuple[_Captured, str, np.ndarray]]] = {}
-        for k, req_id in enumerate(step.req_ids):
-            entry = self.requests.get(req_id)
-            if entry is None or entry.error or not entry.returns_data:
-                continue
-            lo, start, count = step.chunk(k)
-            fresh_from = max(entry.processed_upto - start, 0)
-            entry.processed_upto = max(entry.processed_upto, start + count)
-            plan = entry.plan
-            if plan.capture is not None:
-                offsets = selected_offsets(plan.capture.positions, start, count, plan.prompt_len)
-                offsets = offsets[offsets >= fresh_from]
-                if len(offsets):
-                    entry.positions.append(start + offsets)
-                    self.rows_captured += len(offsets)
-                    for layer, kind, name in plan.capture.sites:
-                        group = ("rows", layer, kind, plan.capture.dtype, plan.capture.reduce)
-                        groups.setdefault(group, []).append((entry, name, lo + offsets))
-            if plan.logits_positions is not None:
-                offsets = selected_offsets(plan.logits_positions, start, count, plan.prompt_len)
-                offsets = offsets[offsets >= fresh_from]
-                if len(offsets):
-                    entry.logits_positions.append(start + offsets)
-                    groups.setdefault(("logits",), []).append((entry, "", lo + offsets))
-        if groups:
-            self._pending.append(self._gather(groups))
-            self._drain(wait=self.device.type != "cuda")
+        columns = self.columns
+        group = columns["group"][batch.rows]
+        logits_mode = columns["logits"][batch.rows]
+        k = np.flatnonzero((group >= 0) | (logits_mode != NO_LOGITS))
+        if not len(k):
+            return
+        rows = batch.rows[k]
+        start, counts = batch.step.start_positions[k], batch.counts[k]
+        # rows below `seen` were recorded already: a request recomputed after preemption runs them again
+        fresh_from = np.maximum(columns["seen"][rows] - start, 0)
+        columns["seen"][rows] = np.maximum(columns["seen"][rows], start + counts)
+        chunks = (rows, batch.first_rows[k], start, counts, columns["prompt_len"][rows], fresh_from)
+        for g in np.unique(group[k]).tolist():
+            if g >= 0:
+                picked = group[k] == g
+                selection = self._select([c[picked] for c in chunks], columns["positions"][rows[picked]], "capture")
+                if selection is not None:
+                    self._hand_over("rows", self._gather_group(g, selection), selection)
+        picked = logits_mode[k] != NO_LOGITS
+        if picked.any():
+            selection = self._select([c[picked] for c in chunks], logits_mode[k][picked], "logits")
+            if selection is not None:
+                normed = self.sites[(None, "ln_final")].staging.index_select(0, self._to_device(selection.rows))
+                logits = _vllm.compute_logits(self.runner, normed, self.layout.vocab_size)
+                self._hand_over("logits", logits.unsqueeze(0), selection)
 
-    def _gather(self, groups: dict[tuple, list[tuple[_Captured, str, np.ndarray]]]) -> "_PendingCopy":
-        parts: list[tuple[str, _Captured, str, int, int]] = []
-        tensors: list[torch.Tensor] = []
-        for group, members in groups.items():
-            rows = torch.from_numpy(np.concatenate([m[2] for m in members])).to(self.device, non_blocking=True)
-            if group[0] == "logits":
-                normed = self.sites[(None, "ln_final")].staging.index_select(0, rows)
-                picked, kind = _vllm.compute_logits(self.runner, normed, self.layout.vocab_size), "logits"
-            else:
-                _, layer, site_kind, dtype, reduce = group
-                picked = self.sites[(layer, site_kind)].staging.index_select(0, rows)
-                kind = "sum" if reduce == "mean" else "rows"
-                if reduce == "mean":  # one summed row per request, reduced on the device
-                    segments = np.repeat(np.arange(len(members)), [len(m[2]) for m in members])
-                    summed = torch.zeros(len(members), picked.shape[1], dtype=torch.float32, device=self.device)
-                    picked = summed.index_add_(0, torch.from_numpy(segments).to(self.device), picked.float())
-                else:
-                    picked = picked.to(TORCH_DTYPES[dtype])
-            offset = 0
-            for entry, name, member_rows in members:
-                n = 1 if kind == "sum" else len(member_rows)
-                parts.append((kind, entry, name, len(tensors), offset, offset + n))
-                offset += n
-            tensors.append(self._to_host(picked))
+    def _select(self, chunks: list[np.ndarray], modes: np.ndarray, what: str) -> _Selection | None:
+        """The rows a set of requests selects in this step: position modes for all at once,
+        explicit indices request by request."""
+        rows, first, start, counts, prompt_len, fresh_from = chunks
+        a, b = selected_spans(modes, start, counts, prompt_len)
+        a = np.maximum(a, fresh_from)
+        lengths = np.maximum(b - a, 0)
+        explicit = modes == EXPLICIT
+        lengths[explicit] = 0
+        keep = np.flatnonzero(lengths)
+        entries = [self.entry_at[h] for h in rows[keep].tolist()]
+        picked_rows = [_ranges(first[keep] + a[keep], lengths[keep])]
+        positions = [_ranges(start[keep] + a[keep], lengths[keep])]
+        counts_out = [lengths[keep]]
+        for i in np.flatnonzero(explicit).tolist():
+            entry = self.entry_at[int(rows[i])]
+            spec = entry.plan.capture.positions if what == "capture" else entry.plan.logits_positions
+            offsets = selected_offsets(spec, int(start[i]), int(counts[i]), int(prompt_len[i]))
+            offsets = offsets[offsets >= fresh_from[i]]
+            if len(offsets):
+                entries.append(entry)
+                picked_rows.append(first[i] + offsets)
+                positions.append(start[i] + offsets)
+                counts_out.append(np.array([len(offsets)]))
+        if not entries:
+            return None
+        counts_all = np.concatenate(counts_out)
+        self.rows_captured += int(counts_all.sum()) if what == "capture" else 0
+        return _Selection(entries, np.concatenate(picked_rows), np.concatenate(positions), np.cumsum(counts_all) - counts_all, counts_all)
+
+    def _gather_group(self, group: int, selection: _Selection) -> torch.Tensor:
+        """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean."""
+        sites, dtype, reduce = self.group_sites[group]
+        rows = self._to_device(selection.rows)
+        picked = torch.stack([site.staging.index_select(0, rows) for site in sites])
+        if reduce != "mean":
+            return picked.to(TORCH_DTYPES[dtype])
+        segments = self._to_device(np.repeat(np.arange(len(selection.counts)), selection.counts))
+        summed = torch.zeros(len(sites), len(selection.counts), picked.shape[-1], dtype=torch.float32, device=self.device)
+        return summed.index_add_(1, segments, picked.float())
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _hand_over(self, kind: str, picked: torch.Tensor, selection: _Selection) -> None:
+        """Start the copy to host on a side stream (the next step does not wait for it) into
+        pinned memory, and queue it for the outbox thread."""
         event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return _PendingCopy(event, tensors, parts)
-
-    def _drain(self, wait: bool) -> None:
-        """Hand finished copies to their requests, oldest first (waiting for them if asked)."""
-        while self._pending:
-            pending = self._pending[0]
-            if pending.event is not None and not pending.event.query():
-                if not wait:
-                    return
-                pending.event.synchronize()
-            self._pending.popleft()
-            for kind, entry, name, index, lo, hi in pending.parts:
-                host = pending.tensors[index][lo:hi]
-                if kind == "logits":
-                    entry.logits.append(host.clone())
-                elif kind == "sum":
-                    entry.sums[name] = entry.sums[name] + host[0] if name in entry.sums else host[0].clone()
-                else:
-                    entry.rows.setdefault(name, []).append(host.clone())
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return tensor
-        # pinned, so the copy overlaps the next step; the caching host allocator reuses the
-        # block once `_drain` has cloned the rows out of it
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
+        if self.copy_stream is None:
+            host = picked
+        else:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+                host.copy_(picked, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            picked.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
+        buffers = [entry.buffers for entry in selection.requests]
+        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.positions))
 
     # ------------------------------------------------------------ request lifecycle
 
-    def _admit(self, req_id: str) -> _Captured | None:
+    def _admit(self, req_id: str) -> int:
         wire = _vllm.request_extra_args(self.runner, req_id).get(PLAN_KEY)
         if not wire or wire["key"] in self.closed_keys:  # closed: taken or cancelled already
-            self.unplanned.add(req_id)
-            return None
-        entry = _Captured(plan=RequestPlan.from_wire(wire))
+            self.handle_of[req_id] = UNPLANNED
+            return UNPLANNED
+        plan = RequestPlan.from_wire(wire)
+        returns_data = plan.capture is not None or plan.logits_positions is not None
+        buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size) if returns_data else None
+        handle = self.columns.allocate()
+        entry = _Entry(plan, f"{plan.key}-{next(self.names)}", handle, buffers)
         self.requests[req_id] = entry
-        self.by_key.setdefault(entry.plan.key, []).append(req_id)
+        self.by_key.setdefault(plan.key, []).append(req_id)
+        self.handle_of[req_id] = handle
+        self.entry_at[handle] = entry
+        columns = self.columns
+        columns["prompt_len"][handle] = plan.prompt_len
+        if plan.capture is not None:
+            columns["group"][handle] = self._group(plan.capture)
+            columns["positions"][handle] = mode_code(plan.capture.positions)
+        if plan.logits_positions is not None:
+            columns["logits"][handle] = mode_code(plan.logits_positions)
         try:
-            for edit in entry.plan.edits:
+            for edit in plan.edits:
                 self._assign_slot(entry, edit)
         except Exception as exc:
             entry.error = f"interventions could not be installed: {exc}"
-            self._free(entry)
-        return entry
+            self._free_slots_of(entry)
+        return handle
 
-    def _assign_slot(self, entry: _Captured, edit: EditPlan) -> None:
+    def _group(self, capture: Any) -> int:
+        signature = (tuple((layer, kind) for layer, kind, _ in capture.sites), capture.dtype, capture.reduce)
+        if signature not in self.groups:
+            self.groups[signature] = len(self.group_sites)
+            self.group_sites.append(([self.sites[site] for site in signature[0]], capture.dtype, capture.reduce))
+        return self.groups[signature]
+
+    def _assign_slot(self, entry: _Entry, edit: EditPlan) -> None:
         site = self.sites[edit.site]
         free = self._free_slots[(id(site), edit.stage)]
         if not free:
@@ -402,20 +519,46 @@ class _CaptureState:
         edit.slot = free.pop()
         site.table[edit.stage, edit.slot] = torch.from_numpy(table_row(edit, site.d_model)).to(self.device, site.table.dtype)
         entry.slots.append((site, edit.stage, edit.slot))
+        if not edit.vectorized:
+            self.columns["fallback"][entry.handle] = 1
+            return
+        lane = self.lanes.get((site, edit.stage))
+        if lane is None:
+            lane = self.lanes[(site, edit.stage)] = f"lane{len(self.lanes)}."
+            for name in ("slot", "positions", "phase"):
+                self.columns.add(lane + name)
+        self.columns[lane + "slot"][entry.handle] = edit.slot
+        self.columns[lane + "positions"][entry.handle] = mode_code(edit.positions)
+        self.columns[lane + "phase"][entry.handle] = mode_code(PHASE_MODES[edit.phase])
 
-    def _free(self, entry: _Captured) -> None:
+    def _free_slots_of(self, entry: _Entry) -> None:
         for site, stage, slot in entry.slots:
             site.table[stage, slot] = torch.from_numpy(identity_row(site.d_model)).to(self.device, site.table.dtype)
             self._free_slots[(id(site), stage)].append(slot)
         entry.slots.clear()
 
+    def _retire(self, req_id: str, entry: _Entry) -> None:
+        """The request will run no more steps: free its slots and handle, queue its result."""
+        if entry.finishing:
+            return
+        entry.finishing = True
+        self._free_slots_of(entry)
+        self.handle_of.pop(req_id, None)
+        self.entry_at.pop(entry.handle, None)
+        self.columns.release(entry.handle)
+        if entry.buffers is not None and entry.error is None:
+            self.outbox.finish(entry.name, entry.buffers)
+
     def _release_finished(self) -> None:
-        """Free the edit slots of requests vLLM has finished; forget those that return nothing
-        (their captures, if any, wait for `take`)."""
-        for req_id in [r for r in self.requests if not _vllm.has_request(self.runner, r)]:
-            entry = self.requests[req_id]
-            self._free(entry)
-            if not entry.returns_data:
+        """Retire the requests vLLM has finished; forget those that return nothing (the others
+        wait for `take`)."""
+        for req_id in [r for r in self.handle_of if not _vllm.has_request(self.runner, r)]:
+            entry = self.requests.get(req_id)
+            if entry is None:  # unplanned
+                del self.handle_of[req_id]
+                continue
+            self._retire(req_id, entry)
+            if entry.buffers is None and entry.error is None:
                 self._forget(req_id)
 
     def _forget(self, req_id: str) -> None:
@@ -433,66 +576,32 @@ class _CaptureState:
             self.closed_keys[key] = None
             while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
                 self.closed_keys.pop(next(iter(self.closed_keys)))
-            self._drain(wait=True)
-            entries = [self.requests.pop(req_id) for req_id in sorted(self.by_key.pop(key, []))]
-            for entry in entries:
-                self._free(entry)
-            return [_result(entries[0], self._spill_path(key))] if entries else []
-
-    def _spill_path(self, key: str) -> Callable[[str], str] | None:
-        if not self.spill_dir:
-            return None
-        numbers = itertools.count()
-        return lambda name: os.path.join(self.spill_dir, f"{key}-{next(numbers)}.bin")
+            req_ids = sorted(self.by_key.pop(key, []))
+            entries = [self.requests.pop(req_id) for req_id in req_ids]
+            for req_id, entry in zip(req_ids, entries):
+                self._retire(req_id, entry)
+            results = [_result(entry) for entry in entries]
+            for sibling in results[1:]:
+                discard(sibling)
+            return results[:1]
 
     def stats(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
             "rows_captured": self.rows_captured,
             "requests_held": len(self.requests),
-            "bytes_held": sum(e.nbytes() for e in self.requests.values()),
-            "seconds": dict(self.seconds),  # worker time outside the forward, for profiling
+            "bytes_held": sum(e.buffers.nbytes() for e in self.requests.values() if e.buffers is not None),
+            # worker time outside the forward, for profiling; "outbox" runs on its own thread
+            "seconds": dict(self.seconds, outbox=self.outbox.busy_seconds),
             "time": time.time(),
         }
 
 
-SPILL_BYTES = 64 << 10
-
-
-def _result(entry: _Captured, spill_path: Callable[[str], str] | None) -> dict[str, Any]:
-    """The wire form of one request's captures: dtype, shape and bytes (no pickle), or for large
-    arrays a shared-memory file the replica reads and deletes. Rows arrive in position order:
-    chunks run in order and re-run rows are skipped."""
-
-    def encode(name: str, array: np.ndarray) -> dict[str, Any]:
-        if spill_path is not None and array.nbytes >= SPILL_BYTES:
-            return arrays.to_file(array, spill_path(name))
-        return dict(arrays.to_raw(array))
-
-    positions = np.concatenate(entry.positions).tolist() if entry.positions else []
-    activations = {}
-    capture = entry.plan.capture
-    for _layer, _kind, name in capture.sites if capture is not None else ():
-        if capture.reduce == "mean":
-            total = entry.sums.get(name, torch.zeros(0))
-            array = (total / max(len(positions), 1)).to(TORCH_DTYPES[capture.dtype])
-        else:
-            array = torch.cat(entry.rows[name]) if name in entry.rows else torch.zeros(0, dtype=TORCH_DTYPES[capture.dtype])
-        activations[name] = encode(name, _to_numpy(array))
-    return {
-        "positions": positions,
-        "activations": activations,
-        "logits": encode("logits", _to_numpy(torch.cat(entry.logits))) if entry.logits else None,
-        "logits_positions": np.concatenate(entry.logits_positions).tolist() if entry.logits_positions else [],
-        "error": entry.error,
-    }
-
-
-def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu().contiguous()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(arrays.DTYPES["bfloat16"])
-    return tensor.numpy()
+def _result(entry: _Entry) -> dict[str, Any]:
+    if entry.error is not None or entry.buffers is None:
+        return {"error": entry.error or "the request captured nothing"}
+    entry.buffers.done.wait()
+    return entry.buffers.result
 
 
 class _CaptureWorkerMixin:

@@ -9,7 +9,16 @@ from pydantic import ValidationError
 from replicas import arrays
 from replicas.api import GenerateRequest, Intervention
 from replicas.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
-from replicas.plans import PlanError, build_wire_plan, selected_offsets, value_rows
+from replicas.plans import (
+    EXPLICIT,
+    MODE_CODES,
+    PlanError,
+    build_wire_plan,
+    mode_code,
+    selected_offsets,
+    selected_spans,
+    value_rows,
+)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +93,34 @@ def test_selected_offsets():
     assert value_rows([-1, 7], np.array([4, 7]), 5, 2).tolist() == [0, 1]
     assert value_rows("generated", np.array([6, 7]), 5, 4).tolist() == [1, 2]
 
+
+
+def test_vectorized_selection_equals_the_per_chunk_one():
+    """The step loop selects rows for a whole batch at once; each chunk must get what it would alone."""
+    rng = np.random.default_rng(0)
+    modes = ["all", "prompt", "generated", "last_prompt"]
+    codes = rng.integers(0, 4, 500)
+    start, count, prompt_len = rng.integers(0, 40, 500), rng.integers(1, 20, 500), rng.integers(1, 40, 500)
+    a, b = selected_spans(codes, start, count, prompt_len)
+    for i in range(500):
+        expected = selected_offsets(modes[codes[i]], int(start[i]), int(count[i]), int(prompt_len[i]))
+        assert np.arange(a[i], b[i]).tolist() == expected.tolist()
+    assert mode_code([0, 3]) == EXPLICIT and mode_code("generated") == MODE_CODES["generated"]
+
+
+def test_batch_row_helpers():
+    from replicas.worker import _Columns, _fill_ranges, _ranges
+
+    assert _ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
+    row = np.zeros(8, np.int64)
+    _fill_ranges(row, np.array([1, 4, 6]), np.array([3, 4, 8]), np.array([7, 9, 2]))
+    assert row.tolist() == [0, 7, 7, 0, 0, 0, 2, 2]
+    columns = _Columns(capacity=2)
+    columns.add("group", -1)
+    handles = [columns.allocate() for _ in range(5)]  # grows twice, keeping what was set
+    columns["group"][handles] = [10, 11, 12, 13, 14]
+    columns.release(handles[1])
+    assert columns["group"][columns.rows(np.array([handles[0], -2, handles[4], handles[1]]))].tolist() == [10, -1, 14, -1]
 
 def plan(request: dict, **overrides):
     options = dict(prompt_len=10, n_layers=4, d_model=4, armed_kinds={"resid_post", "mlp_out"}, steer_kinds={"resid_post"},
