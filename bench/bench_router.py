@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
-from bench.common import write_result
+from bench.common import closed_loop, load_average, start_serve, write_result
 
 REPLICAS = 2
 MAX_NUM_SEQS = 64  # engine batch; replicas hold 2x that, so the engine's own queue never drains
@@ -59,25 +59,9 @@ async def latency_ms(call: Callable[[], Awaitable[Any]], n: int) -> dict[str, fl
     return {"median_ms": statistics.median(samples), "p90_ms": sorted(samples)[int(0.9 * n)], "n": n}
 
 
-async def throughput(call: Callable[[], Awaitable[Any]], clients: int, requests: int) -> dict[str, float]:
+async def throughput(call: Callable[[], Awaitable[Any]], clients: int, requests: int) -> dict[str, Any]:
     """Closed loop: `clients` callers, each sending its next request when the last returns."""
-    remaining = requests
-    tokens = 0
-    served: Counter[str] = Counter()
-
-    async def client() -> None:
-        nonlocal remaining, tokens
-        while remaining > 0:
-            remaining -= 1
-            result = await call()
-            tokens += len(result.token_ids)
-            served[result.replica] += 1
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    elapsed = time.perf_counter() - start
-    return {"clients": clients, "requests": requests, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-            "per_replica": dict(served)}
+    return await closed_loop(lambda i: call(), clients, requests, tokens=lambda result: len(result.token_ids))
 
 
 async def split(call: Callable[[], Awaitable[Any]], n: int = 200) -> dict[str, Any]:
@@ -93,23 +77,7 @@ async def load_phase(call: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
     return {"at_1x": at_1x, "at_2x": at_2x, "overload_ratio": at_2x["tokens_per_s"] / at_1x["tokens_per_s"]}
 
 
-def load_average() -> list[float]:
-    """Recorded with the results: other work on this machine skews CPU measurements."""
-    import os
-
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 # ---------------------------------------------------------------- phases
-
-
-def start_serve(port: int) -> None:
-    import ray
-    from ray import serve
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
 
 
 async def capserve_phase(cpu_bind: str) -> dict[str, Any]:
@@ -186,7 +154,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="result folder (default bench/results)")
     parser.add_argument("--cpu-bind", default="rank", choices=["rank", "none"], help="CPU replicas' thread placement")
     args = parser.parse_args()
-    start_serve(args.port)
+    start_serve(args.port, num_cpus=4)
     from ray import serve
 
     load_before = load_average()
