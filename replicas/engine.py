@@ -62,6 +62,11 @@ class EngineConfig(BaseModel):
         None,
         description="Armed kinds that accept interventions (default: all armed); each costs one edit pass per step.",
     )
+    steer_layers: list[int] | None = Field(
+        None,
+        description="Layers whose steer_kinds accept interventions (default: every layer); a deployment that "
+        "steers at known layers pays the edit pass only there.",
+    )
     edit_stages: int = Field(1, ge=0, le=8, description="Edits one request may stack at one hook; each costs a pass over the rows of every armed site.")
     edit_slots: int = Field(64, ge=1, description="Requests with interventions running at once.")
     max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
@@ -95,6 +100,7 @@ class EngineConfig(BaseModel):
             "capserve": {
                 "armed_kinds": list(self.armed_kinds),
                 "steer_kinds": self.steerable_kinds(),
+                "steer_layers": self.steer_layers,
                 "edit_stages": self.edit_stages,
                 "edit_slots": self.edit_slots,
                 "eager": eager,
@@ -148,6 +154,11 @@ class CaptureEngine:
             shutil.rmtree(spill_dir, ignore_errors=True)
             raise
         engine = cls(llm, config, _model_info(llm, config), name)
+        outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
+        if outside:
+            llm.shutdown()
+            shutil.rmtree(spill_dir, ignore_errors=True)
+            raise ValueError(f"steer_layers: {outside} outside the model's layers 0..{engine._info.n_layers - 1}")
         engine.spill_dir = spill_dir
         return engine
 
@@ -225,6 +236,7 @@ class CaptureEngine:
                 d_model=self._info.d_model,
                 armed_kinds=set(self.config.armed_kinds),
                 steer_kinds=set(self.config.steerable_kinds()),
+                steer_layers=None if self.config.steer_layers is None else set(self.config.steer_layers),
                 edit_stages=self.config.edit_stages,
                 max_capture_bytes=self.config.max_capture_bytes,
             )

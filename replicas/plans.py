@@ -133,6 +133,7 @@ def build_wire_plan(
     steer_kinds: set[str],
     edit_stages: int,
     max_capture_bytes: int,
+    steer_layers: set[int] | None = None,
 ) -> WirePlan | None:
     """Validate everything that depends on the model and the prompt; None when nothing is asked."""
     capture, logits = request.capture, request.logits
@@ -164,7 +165,7 @@ def build_wire_plan(
             "positions": logits.positions,
             "max_rows": count_positions(logits.positions, prompt_len, request.max_tokens),
         }
-    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, edit_stages)
+    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages)
     return plan
 
 
@@ -182,13 +183,24 @@ def _armed_point(field_name: str, name: str, n_layers: int, armed_kinds: set[str
 
 
 def _wire_edits(
-    request: GenerateRequest, prompt_len: int, n_layers: int, d_model: int, steer_kinds: set[str], edit_stages: int
+    request: GenerateRequest,
+    prompt_len: int,
+    n_layers: int,
+    d_model: int,
+    steer_kinds: set[str],
+    steer_layers: set[int] | None,
+    edit_stages: int,
 ) -> list[dict[str, Any]]:
     edits: list[dict[str, Any]] = []
     stages: dict[HookPoint, int] = {}
     for i, edit in enumerate(request.interventions):
         where = f"interventions[{i}]"
         point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds")
+        if steer_layers is not None and point.layer not in steer_layers:
+            raise PlanError(
+                f"{where}.hook: layer {point.layer} of {edit.hook!r} does not accept interventions in this "
+                f"deployment; steerable layers: {sorted(steer_layers)} (engine option steer_layers)"
+            )
         check_positions(f"{where}.positions", edit.positions, prompt_len, request.max_tokens)
         for name in ("vector", "values"):
             array = getattr(edit, name)

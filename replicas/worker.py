@@ -154,6 +154,7 @@ class _CaptureState:
         self.max_tokens = _vllm.max_num_tokens(runner)
         self.armed_kinds = list(options.get("armed_kinds") or LAYER_KINDS)
         steer_kinds = set(options.get("steer_kinds", self.armed_kinds))
+        steer_layers = options.get("steer_layers")
         self.edit_stages = int(options.get("edit_stages", 1))
         self.edit_slots = int(options.get("edit_slots", 64))
         self.eager = bool(options.get("eager", False))
@@ -166,7 +167,8 @@ class _CaptureState:
         for layer in range(len(self.layout.layers)):
             for kind in self.armed_kinds:
                 point = HookPoint(layer, kind)  # type: ignore[arg-type]
-                stages = self.edit_stages if kind in steer_kinds else 0
+                steered = kind in steer_kinds and (steer_layers is None or layer in steer_layers)
+                stages = self.edit_stages if steered else 0
                 self.sites[point] = Site(point, edit_stages=stages, capture=True, **site_args)
         final = HookPoint(None, "ln_final")
         self.sites[final] = Site(final, edit_stages=0, capture=True, **site_args)

@@ -12,6 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from replicas.errors import InvalidRequestError
 from tests.conftest import ACTIVATION_TOL, LOGIT_TOL, assert_close
 from tests.test_engine_capture import prompt_ids
 
@@ -24,6 +25,7 @@ def compiled(loop, tiny_models):
 
     config = EngineConfig(
         model=tiny_models["llama"], dtype="float32", max_model_len=512, max_num_seqs=64, edit_stages=2,
+        steer_layers=[1, 2],  # the test's edits sit there; the other layers carry no edit pass
         kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.25, enforce_eager=False,
         engine_kwargs={"compilation_config": {"backend": "eager"}},  # trace with Dynamo, skip Inductor's slow CPU build
     )
@@ -51,3 +53,6 @@ def test_compiled_engine_matches_eager_for_captures_edits_and_logits(loop, engin
         assert_close(got.logits, want.logits, atol=LOGIT_TOL, rtol=0)
     steered, unsteered = results[1], results[0]
     assert np.abs(steered.logits - unsteered.logits).max() > 1e-2
+    elsewhere = plain | {"interventions": [steer | {"hook": "blocks.3.hook_resid_pre"}]}
+    with pytest.raises(InvalidRequestError, match=r"interventions\[0\]\.hook: layer 3 .* steerable layers: \[1, 2\]"):
+        loop.run(compiled.generate(elsewhere))

@@ -132,6 +132,8 @@ def test_plans_reject_what_the_model_or_deployment_cannot_serve():
     assert plan({}) is None
     with pytest.raises(PlanError, match="has not armed"):
         plan({"capture": {"hooks": ["0:attn_out"]}})
+    with pytest.raises(PlanError, match=r"layer 2 .* steerable layers: \[0, 1\]"):
+        plan({"interventions": [{"hook": "2:resid_post", "op": "scale", "factor": 2.0}]}, steer_layers={0, 1})
     with pytest.raises(PlanError, match="steer_kinds"):
         plan({"interventions": [{"hook": "0:mlp_out", "op": "scale", "factor": 2.0}]})
     with pytest.raises(PlanError, match="outside the sequence"):

@@ -8,5 +8,5 @@ out=${1:-bench/results}; shift || true
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m pytest tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_schemas.py \
+python3 -m pytest tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_engine_compiled.py tests/test_schemas.py \
   -q -p no:cacheprovider --junitxml="$out/gpu_suite.xml" "$@" 2>&1 | tee "$out/gpu_suite.log" | grep -v -E "^\(|INFO|WARNING"
