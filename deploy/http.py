@@ -4,7 +4,7 @@
     POST /v1/capture    GenerateRequest JSON (capture required) -> result, prompt activations
     GET  /v1/info       ModelInfo
     GET  /healthz       liveness, never authenticated
-    GET  /docs, /openapi.json
+    GET  /docs, /openapi.json   behind the bearer token when auth is on, like every route but /healthz
 
 Arrays in requests are lists of numbers or `{"dtype", "shape", "data": base64}` objects
 (`replicas.arrays`). Results are JSON with each activation (and logits) in that base64 form, or,
@@ -25,6 +25,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
@@ -38,10 +39,15 @@ from deploy.router import Router
 SAFETENSORS_MEDIA = "application/octet-stream"
 _ARRAY_FIELDS = ("activations", "logits")
 
+# FastAPI's own /docs, /redoc and /openapi.json would be open to anyone; HttpRouter serves the
+# schema and the docs page itself, behind the same bearer check as every route but /healthz.
 api = FastAPI(
     title="capserve",
     version="0.1.0",
     description="Activation capture and interventions on vLLM replicas behind Ray Serve.",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
 )
 
 
@@ -105,6 +111,22 @@ class HttpRouter(Router):
             return error_response(exc)
         return JSONResponse(info.model_dump())
 
+    @api.get("/openapi.json", include_in_schema=False)
+    async def http_openapi(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def http_docs(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except Exception as exc:
+            return error_response(exc)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="capserve")
+
     @api.get("/healthz")
     async def http_healthz(self) -> dict[str, Any]:
         return {"status": "ok", "queued": self._queue.waiting}
@@ -153,6 +175,8 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         value = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses per nesting level; a deep body would be a 500
+        raise HttpError(400, "bad_json", "request body is nested too deeply; GenerateRequest needs at most a few levels") from None
     if not isinstance(value, dict):
         raise HttpError(400, "bad_json", f"request body must be a JSON object of GenerateRequest fields, got {type(value).__name__}")
     return value

@@ -25,6 +25,7 @@ What the router guarantees:
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
@@ -236,6 +237,7 @@ class Router:
 
     async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
         request = validated(request)
+        await self._check_model_limits(request)
         self._admit(1)
         return await self._submit("generate", request, by_reference)
 
@@ -276,6 +278,7 @@ class Router:
 
     async def stats(self) -> dict[str, Any]:
         return {
+            "pid": os.getpid(),  # for memory monitoring (the reliability suite samples its RSS)
             "queued": self._queue.waiting,
             "max_queued_requests": self._queue.limit,
             "replicas": self._ledger.snapshot(),
@@ -283,6 +286,16 @@ class Router:
         }
 
     # ------------------------------------------------------------ routing
+
+    async def _check_model_limits(self, request: GenerateRequest) -> None:
+        """What no replica could serve, refused before it takes a queue slot: max_tokens past the
+        model's context (the replica also checks prompt + max_tokens once it has tokenized)."""
+        limit = (await self.info()).max_model_len
+        if request.max_tokens >= limit:
+            raise InvalidRequestError(
+                f"max_tokens: {request.max_tokens} leaves no room for a prompt in the model's "
+                f"max_model_len={limit}; allowed: 1..{limit - 1}"
+            )
 
     def _admit(self, n: int) -> None:
         try:

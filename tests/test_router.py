@@ -82,6 +82,8 @@ def test_bad_requests_fail_before_any_replica_is_called():
             await router.generate({"prompt": "x", "temprature": 0})
         with pytest.raises(InvalidRequestError, match="expected a JSON object"):
             await router.generate(["not", "a", "dict"])
+        with pytest.raises(InvalidRequestError, match=r"max_tokens: 512 .* max_model_len=512; allowed: 1..511"):
+            await router.generate({"prompt": "x", "max_tokens": 512})  # no prompt fits beside it
         assert pool.calls == []
         assert (await router.stats())["queued"] == 0
 

@@ -175,7 +175,8 @@ def test_auth_guards_every_endpoint_but_health(app):
         assert client.post("/v1/generate", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert client.get("/v1/info").status_code == 401
         assert client.get("/healthz").status_code == 200
-        assert client.get("/openapi.json").status_code == 200
+        assert client.get("/openapi.json").status_code == 401  # with auth on, only /healthz is open
+        assert client.get("/openapi.json", headers=AUTH).status_code == 200
         ok = client.post("/v1/generate", json=body, headers=AUTH)
         assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 2
         assert client.get("/v1/info", headers=AUTH).json()["n_layers"] == 4
