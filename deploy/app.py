@@ -46,6 +46,7 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
         cpu_bind=args.cpu_bind,
         drain_timeout_s=args.drain_timeout_s,
         health_timeout_s=args.health_check_timeout_s,
+        fault_injection=args.fault_injection,
     )
     replicas = serve.deployment(EngineReplica, name="EngineReplica").options(
         **replica_scaling(args, device),

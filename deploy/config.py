@@ -119,6 +119,9 @@ class AppArgs(BaseModel):
     cpu_bind: Literal["rank", "none", "inherit"] = Field(
         "rank", description="CPU replicas: pin replica r's threads to core r mod n; none = OS places them; inherit = vLLM's env."
     )
+    fault_injection: bool = Field(
+        False, description="Tests only: enable EngineReplica.stall() (the reliability suite's hang); never on in service."
+    )
     http_host: str = Field("127.0.0.1", description="HTTP bind host for `deploy.app.run`.")
     http_port: int = Field(8000, gt=0, lt=65536)
 

@@ -34,6 +34,7 @@ logger = logging.getLogger("capserve.replica")
 LATENCY_BUCKETS_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000]
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's own switch; written here, before the engine starts
 TINY_PREFIX = "tiny:"
+MAX_STALL_S = 600.0  # a stalled replica wakes by itself after this, even if nobody replaces it
 """A model named "tiny:<arch>" is the built-in random-weight model, built at replica start."""
 
 
@@ -50,6 +51,11 @@ class ReplicaOptions(BaseModel):
     )
     drain_timeout_s: float = Field(60.0, ge=0, description="Shutdown waits this long for in-flight requests.")
     health_timeout_s: float = Field(20.0, gt=0, description="check_health fails when the engine takes longer.")
+    fault_injection: bool = Field(
+        False,
+        description="Tests only: allow `stall()`, which wedges this replica. Off unless AppArgs.fault_injection; "
+        "no HTTP route reaches it.",
+    )
 
 
 def is_tiny(model: str | None) -> bool:
@@ -150,6 +156,20 @@ class EngineReplica:
             await asyncio.wait_for(self._engine.check_health(), self._options.health_timeout_s)
         except Exception as exc:
             raise RuntimeError(f"replica {self.name}: engine failed its health check: {exc!r}") from exc
+
+    async def stall(self, replica: str, seconds: float) -> bool:
+        """Fault injection for the reliability suite: if this is `replica`, block its event loop for
+        `seconds` (at most MAX_STALL_S), as a wedged process would: requests, results and health
+        checks all hang, so Serve's health check times out and the replica is replaced. Broadcast
+        it (`handle.broadcast("stall", name, s)`) to reach one replica; the others return False.
+        Refused unless the deployment was built with `fault_injection=True`."""
+        if not self._options.fault_injection:
+            raise PermissionError("stall() is a test hook; this deployment was built with fault_injection=False")
+        if replica != self.name:
+            return False
+        logger.warning("replica %s: stalling for %.0f s (fault injection)", self.name, seconds)
+        time.sleep(min(max(seconds, 0.0), MAX_STALL_S))  # blocking on purpose: nothing else here may run
+        return True
 
     async def _serve(self, method: str, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
         if self._draining:

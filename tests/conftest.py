@@ -112,3 +112,25 @@ def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str,
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_vllm() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+# ---------------------------------------------------------------- reliability figures
+
+FIGURES = pytest.StashKey[dict[str, Any]]()
+
+
+@pytest.fixture(scope="session")
+def figures(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Measurements a test records by name; printed at the end of the run and written to
+    bench/results/reliability_cpu.json (merged into what an earlier run wrote)."""
+    return request.config.stash.setdefault(FIGURES, {})
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    figures = config.stash.get(FIGURES, None)
+    if not figures:
+        return
+    from tests.reliability.report import print_figures, save_figures
+
+    print_figures(terminalreporter, figures)
+    terminalreporter.write_line(f"figures written to {save_figures(figures)}")
