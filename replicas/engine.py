@@ -17,6 +17,9 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -68,7 +71,9 @@ class EngineConfig(BaseModel):
         "steers at known layers pays the edit pass only there.",
     )
     edit_stages: int = Field(1, ge=0, le=8, description="Edits one request may stack at one hook; each costs a pass over the rows of every armed site.")
-    edit_slots: int = Field(64, ge=1, description="Requests with interventions running at once.")
+    edit_slots: int = Field(
+        64, ge=1, description="Distinct interventions (op and vector) per hook running at once; requests with the same one share it."
+    )
     max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -135,7 +140,7 @@ class CaptureEngine:
         self.name = name
         # skip_tokenizer_init (benchmarks on dummy weights): prompts must then be token ids
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
-        self._edit_slots = asyncio.Semaphore(config.edit_slots)
+        self._edit_slots = _EditSlots(config.edit_slots)
         self._taker = _BatchedTake(llm)
         self.spill_dir: str | None = None  # shared-memory folder for large worker results
 
@@ -186,7 +191,7 @@ class CaptureEngine:
         params = self._sampling_params(request, plan)
         returns_data = plan is not None and ("capture" in plan or "logits" in plan)
         if request.interventions:
-            async with self._edit_slots:
+            async with self._edit_slots.hold(plan["edits"]):
                 return await self._run(key, prompt_ids, params, returns_data)
         return await self._run(key, prompt_ids, params, returns_data)
 
@@ -290,6 +295,50 @@ class CaptureEngine:
             result.logits = _worker_array(first["logits"])
             result.logits_positions = first["logits_positions"]
         return result
+
+
+class _EditSlots:
+    """Admits a request with interventions once each of its ops fits the worker's edit table.
+    Requests with the same op at the same hook and stage share one table row (the worker keys rows
+    by content), so the limit counts distinct ops per hook and stage, not requests."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.users: Counter[tuple] = Counter()  # op -> requests holding it
+        self.per_hook: Counter[tuple] = Counter()  # (layer, kind, stage) -> distinct ops held
+        self.changed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def hold(self, wire_edits: list[dict[str, Any]]) -> AsyncIterator[None]:
+        ops = {_op_key(edit) for edit in wire_edits}
+        async with self.changed:
+            await self.changed.wait_for(lambda: self._fits(ops))
+            for op in ops:
+                self.per_hook[op[:3]] += self.users[op] == 0
+                self.users[op] += 1
+        try:
+            yield
+        finally:
+            async with self.changed:
+                for op in ops:
+                    self.users[op] -= 1
+                    if not self.users[op]:
+                        del self.users[op]
+                        self.per_hook[op[:3]] -= 1
+                self.changed.notify_all()
+
+    def _fits(self, ops: set[tuple]) -> bool:
+        new = Counter(op[:3] for op in ops if op not in self.users)
+        return all(self.per_hook[hook] + n <= self.slots for hook, n in new.items())
+
+
+def _op_key(edit: dict[str, Any]) -> tuple:
+    """What decides an edit's table row (a `set` row is the identity; its values go per row)."""
+    where = (edit["layer"], edit["kind"], edit["stage"])
+    if edit["op"] == "set":
+        return (*where, "set")
+    vector = edit["vector"]["data"] if edit["vector"] is not None else None
+    return (*where, edit["op"], vector, edit["scale"], edit["norm_match"], edit["factor"])
 
 
 class _BatchedTake:

@@ -1,13 +1,13 @@
-"""The host side of capture: rows copied off the device reach per-request buffers on a thread of
-their own, so the engine core's step loop only starts copies and never waits for them.
+"""The host side of capture: rows copied off the device reach per-request buffers, and finished
+requests' results are written, without the engine core's step loop waiting for a copy.
 
-The step loop (`replicas.worker`) hands over, per step and per group of requests that asked for
-the same hooks, one host tensor (its copy possibly still in flight, with the CUDA event that marks
-its end) and which rows belong to which request. The outbox thread waits for the copy, files each
-request's rows into that request's buffer (sized once from its plan), and when the request
-finishes writes its result: small arrays inline, large ones to shared-memory files the replica
-reads. Work runs strictly in the order handed over, so a request's result includes every step
-handed over before it was finished.
+The step loop (`replicas.worker`) makes, per step and per group of requests that asked for the
+same hooks, one `StepRows`: a host tensor (its copy possibly still in flight, with the CUDA event
+that marks its end), which rows belong to which request and where they go in its buffer (sized
+once from its plan). Steps with a few rows per request are filed by the step loop itself once
+their copy is done (a few microseconds per request, while the GPU runs the next step); steps with
+large blocks per request, and the final write of each result (small arrays inline, large ones to
+shared-memory files the replica reads), go to the outbox thread, whose big copies release the GIL.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,9 +27,6 @@ from replicas import arrays
 from replicas.plans import RequestPlan
 
 SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory file
-# While the outbox thread files rows, the step loop must get the GIL back at once when its
-# forward returns, not after the default 5 ms switch interval.
-SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass
@@ -42,7 +38,7 @@ class RequestBuffers:
     positions: np.ndarray | None = None
     logits: np.ndarray | None = None  # [max_rows, vocab] float32
     logits_positions: np.ndarray | None = None
-    n_rows: int = 0
+    n_rows: int = 0  # rows handed over so far (set by the step loop)
     n_logits: int = 0
     error: str | None = None
     result: dict[str, Any] | None = None
@@ -67,20 +63,19 @@ class RequestBuffers:
         rows = self.sites[:, : self.n_rows].nbytes if self.sites is not None else 0
         return rows + (self.logits[: self.n_logits].nbytes if self.logits is not None else 0)
 
-    def add_rows(self, data: np.ndarray, member: int, lo: int, n: int, positions: np.ndarray) -> None:
+    def add_rows(self, data: np.ndarray, member: int, lo: int, n: int, dest: int, positions: np.ndarray) -> None:
         """Rows lo:lo+n of a step's gathered [hooks, rows, d] block (a sum row per request, at
-        index `member`, for reduce=mean) and their positions."""
+        index `member`, for reduce=mean) into rows dest:dest+n. Rows carry their destination, so
+        steps may be filed in any order."""
         if self.plan.capture.reduce == "mean":
             self.sites[:, 0] += data[:, member]
         else:
-            self.sites[:, self.n_rows : self.n_rows + n] = data[:, lo : lo + n]
-        self.positions[self.n_rows : self.n_rows + n] = positions[lo : lo + n]
-        self.n_rows += n
+            self.sites[:, dest : dest + n] = data[:, lo : lo + n]
+        self.positions[dest : dest + n] = positions[lo : lo + n]
 
-    def add_logits(self, data: np.ndarray, lo: int, n: int, positions: np.ndarray) -> None:
-        self.logits[self.n_logits : self.n_logits + n] = data[0, lo : lo + n]
-        self.logits_positions[self.n_logits : self.n_logits + n] = positions[lo : lo + n]
-        self.n_logits += n
+    def add_logits(self, data: np.ndarray, lo: int, n: int, dest: int, positions: np.ndarray) -> None:
+        self.logits[dest : dest + n] = data[0, lo : lo + n]
+        self.logits_positions[dest : dest + n] = positions[lo : lo + n]
 
     def finish(self, spill_path: Any) -> dict[str, Any]:
         """The wire form of the result: dtype, shape and bytes (no pickle), or for large arrays a
@@ -120,15 +115,40 @@ class StepRows:
     requests: list[RequestBuffers]
     offsets: np.ndarray
     counts: np.ndarray
+    dests: np.ndarray  # where request i's rows go in its buffer
     positions: np.ndarray  # absolute position of every row
+
+    @property
+    def bytes_per_request(self) -> float:
+        return self.tensor.numel() * self.tensor.element_size() / max(len(self.requests), 1)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def file(self) -> None:
+        """Copy each request's rows into its buffer (the copy to host must be done)."""
+        data = _to_numpy(self.tensor)
+        members = zip(self.requests, self.offsets.tolist(), self.counts.tolist(), self.dests.tolist())
+        for member, (buffers, lo, n, dest) in enumerate(members):
+            if buffers.error is not None:
+                continue
+            try:
+                if self.kind == "logits":
+                    buffers.add_logits(data, lo, n, dest, self.positions)
+                else:
+                    buffers.add_rows(data, member, lo, n, dest, self.positions)
+            except Exception as exc:  # a bookkeeping bug must fail this request, not the worker
+                buffers.error = f"capture failed in the worker: {exc!r}"
 
 
 class Outbox:
+    """A thread that files large steps (their copies release the GIL) and writes finished results;
+    work runs in the order it is handed over."""
+
     def __init__(self, spill_dir: str | None):
         self.spill_dir = spill_dir  # large results go through shared memory
-        self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers]] = queue.SimpleQueue()
         self.busy_seconds = 0.0
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="capserve-outbox", daemon=True)
         self._thread.start()
 
@@ -136,34 +156,21 @@ class Outbox:
         self._work.put(rows)
 
     def finish(self, name: str, buffers: RequestBuffers) -> None:
-        """Queue the result of a request whose last step was handed over (its files are named
-        after `name`); `buffers.done` is set when it is ready."""
+        """Queue the result of a request whose steps were all handed over or filed (its files are
+        named after `name`); `buffers.done` is set when it is ready."""
         self._work.put((name, buffers))
 
     def _run(self) -> None:
-        while (item := self._work.get()) is not None:
+        while True:
+            item = self._work.get()
             if isinstance(item, StepRows) and item.event is not None:
                 item.event.synchronize()  # releases the GIL while the copy runs
             began = time.perf_counter()
             if isinstance(item, StepRows):
-                self._file(item)
+                item.file()
             else:
                 self._finish(*item)
             self.busy_seconds += time.perf_counter() - began
-
-    @staticmethod
-    def _file(rows: StepRows) -> None:
-        data = _to_numpy(rows.tensor)
-        for member, (buffers, lo, n) in enumerate(zip(rows.requests, rows.offsets.tolist(), rows.counts.tolist())):
-            if buffers.error is not None:
-                continue
-            try:
-                if rows.kind == "logits":
-                    buffers.add_logits(data, lo, n, rows.positions)
-                else:
-                    buffers.add_rows(data, member, lo, n, rows.positions)
-            except Exception as exc:  # a bookkeeping bug must fail this request, not the thread
-                buffers.error = f"capture failed in the worker: {exc!r}"
 
     def _finish(self, name: str, buffers: RequestBuffers) -> None:
         try:

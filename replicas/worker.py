@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,9 +41,12 @@ from replicas.plans import (
     selected_spans,
     value_rows,
 )
-from replicas.sites import Site, identity_row, table_row
+from replicas.sites import Site, table_row
 
 _CLOSED_KEYS_KEPT = 10_000
+# Steps with at least this much per request go to the outbox thread (whose big copies release
+# the GIL); smaller ones — a decode step's row per request — the step loop files itself.
+OUTBOX_BYTES_PER_REQUEST = 1 << 20
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -59,7 +63,7 @@ class _Entry:
     name: str  # unique among the worker's requests: names its result files
     handle: int
     buffers: RequestBuffers | None  # None when it captures nothing
-    slots: list[tuple[Site, int, int]] = field(default_factory=list)  # (site, stage, slot)
+    slots: list[tuple[int, int, bytes]] = field(default_factory=list)  # (site id, stage, table row) it holds
     finishing: bool = False
     error: str | None = None
 
@@ -130,6 +134,7 @@ class _Selection:
     positions: np.ndarray  # their absolute positions
     offsets: np.ndarray
     counts: np.ndarray
+    dests: np.ndarray  # where request i's rows go in its buffer
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -175,6 +180,7 @@ class _CaptureState:
         self._free_slots = {
             (id(s), stage): list(range(self.edit_slots, 0, -1)) for s in self.sites.values() for stage in range(s.edit_stages)
         }
+        self._slot_users: dict[tuple[int, int, bytes], list[int]] = {}  # table row content -> [slot, requests]
         self.columns = _Columns()
         for name, neutral in (("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0)):
             self.columns.add(name, neutral)
@@ -189,6 +195,7 @@ class _CaptureState:
         self.names = itertools.count()
         self._dirty_rows: dict[Site, int] = {}
         self._batch: _Batch | None = None
+        self._pending: deque[StepRows] = deque()  # steps the step loop files itself, oldest first
         self.outbox = Outbox(options.get("spill_dir"))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.steps = 0
@@ -292,6 +299,7 @@ class _CaptureState:
     def after_step(self) -> None:
         with self._timed("collect"):
             self._collect_step()
+            self._file_pending(wait=False)  # earlier steps' rows, while the GPU runs this one
 
     def _prepare(self) -> None:
         """Admit the step's new requests and point the rows each request edits at its slots."""
@@ -441,8 +449,16 @@ class _CaptureState:
         if not entries:
             return None
         counts_all = np.concatenate(counts_out)
+        dests = np.empty(len(entries), np.int64)
+        for i, (entry, n) in enumerate(zip(entries, counts_all.tolist())):
+            buffers = entry.buffers
+            if what == "capture":
+                dests[i], buffers.n_rows = buffers.n_rows, buffers.n_rows + n
+            else:
+                dests[i], buffers.n_logits = buffers.n_logits, buffers.n_logits + n
         self.rows_captured += int(counts_all.sum()) if what == "capture" else 0
-        return _Selection(entries, np.concatenate(picked_rows), np.concatenate(positions), np.cumsum(counts_all) - counts_all, counts_all)
+        offsets = np.cumsum(counts_all) - counts_all
+        return _Selection(entries, np.concatenate(picked_rows), np.concatenate(positions), offsets, counts_all, dests)
 
     def _gather_group(self, group: int, selection: _Selection) -> torch.Tensor:
         """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean."""
@@ -473,7 +489,19 @@ class _CaptureState:
                 event.record(self.copy_stream)
             picked.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
         buffers = [entry.buffers for entry in selection.requests]
-        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.positions))
+        rows = StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.positions)
+        if rows.bytes_per_request >= OUTBOX_BYTES_PER_REQUEST:
+            self.outbox.put(rows)
+        else:
+            self._pending.append(rows)
+
+    def _file_pending(self, wait: bool) -> None:
+        """File the steps whose copy to host is done (all of them, waiting, if asked), oldest first."""
+        while self._pending and (wait or self._pending[0].ready()):
+            rows = self._pending.popleft()
+            if rows.event is not None:
+                rows.event.synchronize()
+            rows.file()
 
     # ------------------------------------------------------------ request lifecycle
 
@@ -514,13 +542,22 @@ class _CaptureState:
         return self.groups[signature]
 
     def _assign_slot(self, entry: _Entry, edit: EditPlan) -> None:
+        """Point the edit at a table row holding its op; requests with the same op (one steering
+        vector across an eval) share the row, so most admissions write nothing to the device."""
         site = self.sites[edit.site]
-        free = self._free_slots[(id(site), edit.stage)]
-        if not free:
-            raise RuntimeError(f"all {self.edit_slots} edit slots of {site.point.canonical_name} are in use")
-        edit.slot = free.pop()
-        site.table[edit.stage, edit.slot] = torch.from_numpy(table_row(edit, site.d_model)).to(self.device, site.table.dtype)
-        entry.slots.append((site, edit.stage, edit.slot))
+        row = table_row(edit, site.d_model)
+        content = (id(site), edit.stage, row.tobytes())
+        shared = self._slot_users.get(content)
+        if shared is None:
+            free = self._free_slots[(id(site), edit.stage)]
+            if not free:
+                raise RuntimeError(f"all {self.edit_slots} edit slots of {site.point.canonical_name} are in use")
+            shared = self._slot_users[content] = [free.pop(), 0]
+            # non_blocking: a blocking copy would wait for the step in flight on the GPU
+            site.table[edit.stage, shared[0]].copy_(torch.from_numpy(row), non_blocking=True)
+        shared[1] += 1
+        edit.slot = shared[0]
+        entry.slots.append(content)
         if not edit.vectorized:
             self.columns["fallback"][entry.handle] = 1
             return
@@ -534,9 +571,14 @@ class _CaptureState:
         self.columns[lane + "phase"][entry.handle] = mode_code(PHASE_MODES[edit.phase])
 
     def _free_slots_of(self, entry: _Entry) -> None:
-        for site, stage, slot in entry.slots:
-            site.table[stage, slot] = torch.from_numpy(identity_row(site.d_model)).to(self.device, site.table.dtype)
-            self._free_slots[(id(site), stage)].append(slot)
+        """Give back the entry's table rows; a row no request uses returns to the free list (it is
+        rewritten when next handed out, and no row of a step points at it meanwhile)."""
+        for content in entry.slots:
+            shared = self._slot_users[content]
+            shared[1] -= 1
+            if shared[1] == 0:
+                del self._slot_users[content]
+                self._free_slots[content[:2]].append(shared[0])
         entry.slots.clear()
 
     def _retire(self, req_id: str, entry: _Entry) -> None:
@@ -554,7 +596,10 @@ class _CaptureState:
     def _release_finished(self) -> None:
         """Retire the requests vLLM has finished; forget those that return nothing (the others
         wait for `take`)."""
-        for req_id in [r for r in self.handle_of if not _vllm.has_request(self.runner, r)]:
+        finished = [r for r in self.handle_of if not _vllm.has_request(self.runner, r)]
+        if finished and self._pending:
+            self._file_pending(wait=True)  # their results must hold every row
+        for req_id in finished:
             entry = self.requests.get(req_id)
             if entry is None:  # unplanned
                 del self.handle_of[req_id]
@@ -578,6 +623,7 @@ class _CaptureState:
             self.closed_keys[key] = None
             while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
                 self.closed_keys.pop(next(iter(self.closed_keys)))
+            self._file_pending(wait=True)
             req_ids = sorted(self.by_key.pop(key, []))
             entries = [self.requests.pop(req_id) for req_id in req_ids]
             for req_id, entry in zip(req_ids, entries):
