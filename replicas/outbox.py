@@ -1,13 +1,13 @@
-"""The host side of capture: rows copied off the device reach per-request buffers, and finished
-requests' results are written, without the engine core's step loop waiting for a copy.
+"""The host side of capture: rows copied off the device reach per-request buffers on a thread of
+their own, so the engine core's step loop only starts copies and never waits for them.
 
-The step loop (`replicas.worker`) makes, per step and per group of requests that asked for the
-same hooks, one `StepRows`: a host tensor (its copy possibly still in flight, with the CUDA event
-that marks its end), which rows belong to which request and where they go in its buffer (sized
-once from its plan). Steps with a few rows per request are filed by the step loop itself once
-their copy is done (a few microseconds per request, while the GPU runs the next step); steps with
-large blocks per request, and the final write of each result (small arrays inline, large ones to
-shared-memory files the replica reads), go to the outbox thread, whose big copies release the GIL.
+The step loop (`replicas.worker`) hands over, per step and per group of requests that asked for
+the same hooks, one `StepRows`: a host tensor (its copy possibly still in flight, with the CUDA
+event that marks its end), which rows belong to which request and where they go in its buffer
+(sized once from its plan). The outbox thread waits for the copy, files each request's rows, and
+when the request finishes writes its result: small arrays inline, large ones to shared-memory
+files the replica reads. Work runs in the order handed over, so a result holds every step handed
+over before its request finished.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from replicas import arrays
 from replicas.plans import RequestPlan
 
 SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory file
+# While the outbox thread files rows, the step loop must get the GIL back soon after its forward
+# returns, not after the default 5 ms switch interval. (Filing small steps on the step loop
+# instead measured slower on the H200: 0.88x against 0.93x at 512 concurrent requests.)
+SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass
@@ -118,13 +123,6 @@ class StepRows:
     dests: np.ndarray  # where request i's rows go in its buffer
     positions: np.ndarray  # absolute position of every row
 
-    @property
-    def bytes_per_request(self) -> float:
-        return self.tensor.numel() * self.tensor.element_size() / max(len(self.requests), 1)
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
     def file(self) -> None:
         """Copy each request's rows into its buffer (the copy to host must be done)."""
         data = _to_numpy(self.tensor)
@@ -142,13 +140,14 @@ class StepRows:
 
 
 class Outbox:
-    """A thread that files large steps (their copies release the GIL) and writes finished results;
-    work runs in the order it is handed over."""
+    """A thread that files steps once their copy is done and writes finished results; work runs
+    in the order it is handed over."""
 
     def __init__(self, spill_dir: str | None):
         self.spill_dir = spill_dir  # large results go through shared memory
         self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers]] = queue.SimpleQueue()
         self.busy_seconds = 0.0
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="capserve-outbox", daemon=True)
         self._thread.start()
 
@@ -156,8 +155,8 @@ class Outbox:
         self._work.put(rows)
 
     def finish(self, name: str, buffers: RequestBuffers) -> None:
-        """Queue the result of a request whose steps were all handed over or filed (its files are
-        named after `name`); `buffers.done` is set when it is ready."""
+        """Queue the result of a request whose steps were all handed over (its files are named
+        after `name`); `buffers.done` is set when it is ready."""
         self._work.put((name, buffers))
 
     def _run(self) -> None:

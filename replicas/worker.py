@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,9 +43,6 @@ from replicas.plans import (
 from replicas.sites import Site, table_row
 
 _CLOSED_KEYS_KEPT = 10_000
-# Steps with at least this much per request go to the outbox thread (whose big copies release
-# the GIL); smaller ones — a decode step's row per request — the step loop files itself.
-OUTBOX_BYTES_PER_REQUEST = 1 << 20
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -195,7 +191,6 @@ class _CaptureState:
         self.names = itertools.count()
         self._dirty_rows: dict[Site, int] = {}
         self._batch: _Batch | None = None
-        self._pending: deque[StepRows] = deque()  # steps the step loop files itself, oldest first
         self.outbox = Outbox(options.get("spill_dir"))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.steps = 0
@@ -299,7 +294,6 @@ class _CaptureState:
     def after_step(self) -> None:
         with self._timed("collect"):
             self._collect_step()
-            self._file_pending(wait=False)  # earlier steps' rows, while the GPU runs this one
 
     def _prepare(self) -> None:
         """Admit the step's new requests and point the rows each request edits at its slots."""
@@ -489,19 +483,7 @@ class _CaptureState:
                 event.record(self.copy_stream)
             picked.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
         buffers = [entry.buffers for entry in selection.requests]
-        rows = StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.positions)
-        if rows.bytes_per_request >= OUTBOX_BYTES_PER_REQUEST:
-            self.outbox.put(rows)
-        else:
-            self._pending.append(rows)
-
-    def _file_pending(self, wait: bool) -> None:
-        """File the steps whose copy to host is done (all of them, waiting, if asked), oldest first."""
-        while self._pending and (wait or self._pending[0].ready()):
-            rows = self._pending.popleft()
-            if rows.event is not None:
-                rows.event.synchronize()
-            rows.file()
+        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.positions))
 
     # ------------------------------------------------------------ request lifecycle
 
@@ -596,10 +578,7 @@ class _CaptureState:
     def _release_finished(self) -> None:
         """Retire the requests vLLM has finished; forget those that return nothing (the others
         wait for `take`)."""
-        finished = [r for r in self.handle_of if not _vllm.has_request(self.runner, r)]
-        if finished and self._pending:
-            self._file_pending(wait=True)  # their results must hold every row
-        for req_id in finished:
+        for req_id in [r for r in self.handle_of if not _vllm.has_request(self.runner, r)]:
             entry = self.requests.get(req_id)
             if entry is None:  # unplanned
                 del self.handle_of[req_id]
@@ -623,7 +602,6 @@ class _CaptureState:
             self.closed_keys[key] = None
             while len(self.closed_keys) > _CLOSED_KEYS_KEPT:
                 self.closed_keys.pop(next(iter(self.closed_keys)))
-            self._file_pending(wait=True)
             req_ids = sorted(self.by_key.pop(key, []))
             entries = [self.requests.pop(req_id) for req_id in req_ids]
             for req_id, entry in zip(req_ids, entries):

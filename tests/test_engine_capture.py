@@ -204,9 +204,11 @@ def test_cancelled_request_frees_its_state(loop, engines):
 
     async def cancel_midway():
         task = asyncio.ensure_future(
-            engine.generate({"prompt": prompt_ids(20, 3), "max_tokens": 400, "ignore_eos": True, "capture": {"hooks": ["0:resid_pre"]}})
+            engine.generate({"prompt": prompt_ids(20, 3), "max_tokens": 480, "ignore_eos": True, "capture": {"hooks": ["0:resid_pre"]}})
         )
-        await asyncio.sleep(1.0)
+        # cancel once the worker holds the request's rows (a GPU runs all 480 steps in about a second)
+        while (await engine.check_health())["requests_held"] == 0:
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

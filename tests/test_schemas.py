@@ -158,3 +158,38 @@ def test_array_wire_format_round_trips_every_dtype():
             np.testing.assert_array_equal(decoded.astype(np.float32), array.astype(np.float32))
     with pytest.raises(ValueError, match="need 24"):
         arrays.from_raw({"dtype": "float32", "shape": [2, 3], "data": b"\0" * 8})
+
+
+def test_edit_slots_admit_by_distinct_ops():
+    """Requests with the same steering vector share one table row; a new vector waits for a free one."""
+    import asyncio
+
+    from replicas.engine import _EditSlots
+
+    def edit(vector: list[float]) -> dict:
+        return {"layer": 1, "kind": "resid_post", "stage": 0, "op": "add", "vector": arrays.to_raw(np.array(vector, np.float32)),
+                "values": None, "scale": 1.0, "norm_match": False, "factor": None}
+
+    async def scenario() -> list[str]:
+        slots, order = _EditSlots(1), []
+
+        async def run(name: str, vector: list[float], hold: asyncio.Event) -> None:
+            async with slots.hold([edit(vector)]):
+                order.append(f"{name} in")
+                await hold.wait()
+            order.append(f"{name} out")
+
+        release = asyncio.Event()
+        same = [asyncio.ensure_future(run(n, [1.0, 2.0], release)) for n in ("a", "b")]
+        other = asyncio.ensure_future(run("c", [3.0, 4.0], asyncio.Event()))
+        await asyncio.sleep(0.05)
+        order.append("released")
+        release.set()
+        await asyncio.gather(*same)
+        await asyncio.sleep(0.05)
+        other.cancel()
+        return order
+
+    order = asyncio.run(scenario())
+    assert order[:3] == ["a in", "b in", "released"]  # both share the one slot; c waited
+    assert order.index("c in") > order.index("b out")
