@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from bench.common import (
+    CONFIGS,
     VOCAB,
     Workload,
     default_device,
@@ -52,7 +53,6 @@ from bench.common import (
     write_runs,
 )
 
-CONFIGS = ("llama8b", "llama1b", "tiny")
 VIAS = ("engine", "serve")
 DEFAULT_WORKLOAD = {"llama8b": Workload("64x512+16", 64, 512, 16), "llama1b": Workload("64x512+16", 64, 512, 16),
                     "tiny": Workload("8x64+8", 8, 64, 8)}

@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from bench.common import (
+    CONFIGS,
     GPU_WORKLOADS,
     VOCAB,
     WORKLOADS,
@@ -151,7 +152,7 @@ DEPLOYMENTS = ("plain", "plain-v1", "eager", "capture", "steer", "steer-layer")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="llama8b")
+    parser.add_argument("--config", default="llama8b", choices=CONFIGS)
     parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
     parser.add_argument("--host-gb", type=float, default=40.0, help="host memory the all-layer all-position capture may fill")

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import (
+    CONFIGS,
     VOCAB,
     WORKLOADS,
     Workload,
@@ -56,10 +57,9 @@ from bench.common import (
     write_runs,
 )
 
-CONFIGS = ("llama8b", "llama1b", "tiny")
 # Per-replica load: bench_overhead's main workload on the GPU; a small one for the CPU check.
 PER_REPLICA = {"llama8b": WORKLOADS["512x512+128"], "llama1b": WORKLOADS["512x512+128"],
-               "tiny": Workload("16x64+16", 16, 64, 16)}
+               "tiny": WORKLOADS["16x64+16"]}
 CASES = ("generate", "capture_last_prompt")
 
 

@@ -54,6 +54,7 @@ WORKLOADS = {
     "16x64+16": Workload("16x64+16", 16, 64, 16),  # a CPU smoke run of the scripts (tiny config)
 }
 GPU_WORKLOADS = ["512x512+128", "32x512+256"]
+CONFIGS = tuple(sorted(path.stem for path in (BENCH_DIR / "configs").glob("*.json")))  # model shapes for dummy weights
 
 
 def dummy_model_folder(config_name: str) -> str:
