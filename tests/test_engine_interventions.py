@@ -148,6 +148,33 @@ def test_edits_stay_in_their_own_rows(loop, engines, tiny_models):
     assert_same(c.logits, alone.logits)
 
 
+def test_requests_with_the_same_edit_share_its_row_until_the_last_one_ends(loop, engines, tiny_models):
+    """A and B steer with one vector (one table row); A ends first, then C takes a free row for
+    another vector while B still runs: B must keep its own vector to the end."""
+    engine, path = engines["llama"], tiny_models["llama"]
+    shared = {"hook": "blocks.1.hook_resid_post", "op": "add", "vector": direction(10), "scale": 4.0}
+    other = shared | {"vector": direction(11)}
+    base = {"temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+    requests = {
+        "A": base | {"prompt": prompt_ids(7, seed=50), "max_tokens": 2, "interventions": [shared]},
+        "B": base | {"prompt": prompt_ids(8, seed=51), "max_tokens": 40, "interventions": [shared]},
+        "C": base | {"prompt": prompt_ids(9, seed=52), "max_tokens": 6, "interventions": [other]},
+    }
+
+    async def staggered():
+        a, b = (asyncio.ensure_future(engine.generate(requests[name])) for name in "AB")
+        first = await a
+        c = await engine.generate(requests["C"])
+        return first, await b, c
+
+    results = dict(zip("ABC", loop.run(staggered())))
+    for name, result in results.items():
+        prompt, request = requests[name]["prompt"], requests[name]
+        edits = hf_edits(request["interventions"], len(prompt))
+        assert result.token_ids == hf_greedy(path, prompt, request["max_tokens"], edits=edits), name
+        assert_close(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=edits), atol=LOGIT_TOL, rtol=0)
+
+
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_phase_limits_where_an_edit_applies(loop, engines, phase):
     engine = engines["llama"]
