@@ -15,9 +15,9 @@ tokens per second of both, side by side, so the capture's cost is a ratio measur
 `--via engine` calls `replicas.engine.CaptureEngine` in this process; `--via serve` runs the
 whole app (Router -> one EngineReplica) and asks for results by reference (`by_reference=True`:
 the caller reads the replica's result from Ray's object store, zero-copy on one node). Each via
-runs in its own process. Memory: the batch is capped so that three copies of it (the worker's
-host buffers, the shared-memory files the worker hands over, the caller's arrays) fit in
-`--host-budget-gb` and one copy in half of /dev/shm's free space; the cap is reported.
+runs in its own process. Memory: the batch is capped so that two copies of it (the worker's
+shared-memory arena, the caller's arrays) fit in `--host-budget-gb` and one copy in half of
+/dev/shm's free space; the cap is reported.
 Results merge into `<out>/bandwidth_<config>.json` (runs keyed by via).
 """
 
@@ -57,7 +57,7 @@ VIAS = ("engine", "serve")
 DEFAULT_WORKLOAD = {"llama8b": Workload("64x512+16", 64, 512, 16), "llama1b": Workload("64x512+16", 64, 512, 16),
                     "tiny": Workload("8x64+8", 8, 64, 8)}
 CAPTURE_DTYPE_BYTES = 2  # bfloat16
-COPIES_IN_HOST_MEMORY = 3  # worker host buffers, shared-memory hand-over files, the caller's arrays
+COPIES_IN_HOST_MEMORY = 2  # the worker's shared-memory arena, the caller's arrays
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replicas import arrays
+from replicas.arena import ArenaReader, stored_in
 from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
 from replicas.errors import CaptureFailedError, InvalidRequestError
 from replicas.hooks import LAYER_KINDS, LayerKind, served_hook_names
@@ -142,6 +144,7 @@ class CaptureEngine:
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
         self._edit_slots = _EditSlots(config.edit_slots)
         self._taker = _BatchedTake(llm)
+        self._arena = ArenaReader()
         self.spill_dir: str | None = None  # shared-memory folder for large worker results
 
     @classmethod
@@ -198,16 +201,30 @@ class CaptureEngine:
     async def _run(self, key: str, prompt_ids: list[int], params: Any, returns_data: bool) -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
-        final, completions = None, {}
+        final, completions, captured = None, {}, []
         try:
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=key):
-                final = output
-                # with n > 1 a step's output carries only the completions that advanced in it
-                completions.update((c.index, c) for c in output.outputs)
+            try:
+                async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=key):
+                    final = output
+                    # with n > 1 a step's output carries only the completions that advanced in it
+                    completions.update((c.index, c) for c in output.outputs)
+            finally:
+                # also on cancellation, so the worker forgets the request's rows
+                captured = await asyncio.shield(self._taker.take(key)) if returns_data else []
+            return self._result(key, final, [completions[i] for i in sorted(completions)], captured)
         finally:
-            # also on cancellation, so the worker forgets the request's rows
-            captured = await asyncio.shield(self._taker.take(key)) if returns_data else []
-        return self._result(key, final, [completions[i] for i in sorted(completions)], captured)
+            self._free(captured)  # read or not, the worker's storage of them goes back
+
+    def _worker_array(self, raw: dict[str, Any]) -> np.ndarray:
+        if "blocks" in raw:
+            return self._arena.read(raw)
+        return arrays.from_file(raw) if "path" in raw else arrays.from_raw(raw)
+
+    def _free(self, captured: list[dict[str, Any]]) -> None:
+        for result in captured:
+            blocks, paths = stored_in(result)
+            self._taker.release(blocks)
+            _delete_files(paths)
 
     def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         prompt = request.prompt
@@ -290,9 +307,9 @@ class CaptureEngine:
         sequence = prompt_ids + choices[0].token_ids
         result.positions = first["positions"]
         result.capture_token_ids = [sequence[p] for p in first["positions"]]
-        result.activations = {name: _worker_array(raw) for name, raw in first["activations"].items()}
+        result.activations = {name: self._worker_array(raw) for name, raw in first["activations"].items()}
         if first["logits"] is not None:
-            result.logits = _worker_array(first["logits"])
+            result.logits = self._worker_array(first["logits"])
             result.logits_positions = first["logits_positions"]
         return result
 
@@ -342,27 +359,38 @@ def _op_key(edit: dict[str, Any]) -> tuple:
 
 
 class _BatchedTake:
-    """Collects the keys of requests that finished close together into one `capserve_take` RPC:
-    every RPC waits for the engine core between two steps, so one per request would stall it."""
+    """Collects the keys of requests that finished close together into one `capserve_take` RPC
+    (every RPC waits for the engine core between two steps, so one per request would stall it),
+    and with them the arena blocks whose rows were read since the last one."""
 
     def __init__(self, llm: Any):
         self.llm = llm
         self.pending: dict[str, asyncio.Future] = {}
+        self.released: list[int] = []
         self.flushing: asyncio.Task | None = None
 
     async def take(self, key: str) -> list[dict[str, Any]]:
         future = asyncio.get_running_loop().create_future()
         self.pending[key] = future
+        self._schedule()
+        return await future
+
+    def release(self, blocks: list[int]) -> None:
+        if blocks:
+            self.released.extend(blocks)
+            self._schedule()  # back promptly, so the arena need not grow
+
+    def _schedule(self) -> None:
         if self.flushing is None or self.flushing.done():
             self.flushing = asyncio.ensure_future(self._flush())
-        return await future
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let requests finishing in the same output batch join
-        while self.pending:
+        while self.pending or self.released:
             batch, self.pending = self.pending, {}
+            released, self.released = self.released, []
             try:
-                taken = (await self.llm.collective_rpc("capserve_take", args=(list(batch),)))[0]
+                taken = (await self.llm.collective_rpc("capserve_take", args=(list(batch), released)))[0]
                 for key, future in batch.items():
                     if not future.done():
                         future.set_result(taken.get(key, []))
@@ -372,8 +400,12 @@ class _BatchedTake:
                         future.set_exception(exc)
 
 
-def _worker_array(raw: dict[str, Any]) -> Any:
-    return arrays.from_file(raw) if "path" in raw else arrays.from_raw(raw)
+def _delete_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # read already
+            pass
 
 
 def _validated(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:

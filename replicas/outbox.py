@@ -4,10 +4,12 @@ their own, so the engine core's step loop only starts copies and never waits for
 The step loop (`replicas.worker`) hands over, per step and per group of requests that asked for
 the same hooks, one `StepRows`: a host tensor (its copy possibly still in flight, with the CUDA
 event that marks its end), which rows belong to which request and where they go in its buffer
-(sized once from its plan). The outbox thread waits for the copy, files each request's rows, and
-when the request finishes writes its result: small arrays inline, large ones to shared-memory
-files the replica reads. Work runs in the order handed over, so a result holds every step handed
-over before its request finished.
+(sized once from its plan). The outbox thread waits for the copy and files the rows: those of
+large captures into the blocks of the shared-memory arena (`replicas.arena`, one scatter for all
+such requests), the others into the request's own arrays. When a request finishes it writes its
+result: arena captures as their block numbers, small arrays inline, large logits to a
+shared-memory file. Work runs in the order handed over, so a result holds every step handed over
+before its request finished.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import numpy as np
 import torch
 
 from replicas import arrays
-from replicas.plans import RequestPlan
+from replicas.arena import ArenaLayout, BlockTable, HostArena, describe, stored_in
+from replicas.plans import RequestPlan, captured_positions, concatenated_ranges
 
 SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory file
 # While the outbox thread files rows, the step loop must get the GIL back soon after its forward
@@ -36,13 +39,14 @@ SWITCH_INTERVAL_S = 0.0002
 
 @dataclass
 class RequestBuffers:
-    """One request's captured rows, logits and their positions, filled by the outbox thread."""
+    """One request's captured rows and logits, filled by the outbox thread."""
 
     plan: RequestPlan
-    sites: np.ndarray | None = None  # [hooks, max_rows, d] (or float32 sums [hooks, 1, d] for reduce=mean)
-    positions: np.ndarray | None = None
+    sites: np.ndarray | None = None  # [hooks, max_rows, d] (float32 sums [hooks, 1, d] for reduce=mean); None in the arena
     logits: np.ndarray | None = None  # [max_rows, vocab] float32
-    logits_positions: np.ndarray | None = None
+    row_shape: tuple[int, str] = (0, "float32")  # (d, dtype) of a captured row
+    rows_per_block: int = 0  # > 0: rows live in the arena, this many per block
+    table_slot: int = -1  # its row of the arena's block table, once it has one
     n_rows: int = 0  # rows handed over so far (set by the step loop)
     n_logits: int = 0
     error: str | None = None
@@ -50,25 +54,35 @@ class RequestBuffers:
     done: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def for_plan(cls, plan: RequestPlan, d_model: int, vocab: int) -> RequestBuffers:
+    def for_plan(cls, plan: RequestPlan, d_model: int, vocab: int, arena: ArenaLayout | None) -> RequestBuffers:
         buffers = cls(plan)
         capture = plan.capture
         if capture is not None:
+            dtype = arrays.DTYPES[capture.dtype]
+            buffers.row_shape = (d_model, capture.dtype)
+            per_block = arena.rows_per_block(d_model * dtype.itemsize) if arena is not None else 0
             if capture.reduce == "mean":
                 buffers.sites = np.zeros((len(capture.sites), 1, d_model), np.float32)
+            elif per_block and capture.max_rows >= per_block:  # at least a block's worth per hook
+                buffers.rows_per_block = per_block
             else:
-                buffers.sites = np.empty((len(capture.sites), capture.max_rows, d_model), arrays.DTYPES[capture.dtype])
-            buffers.positions = np.empty(capture.max_rows, np.int64)
+                buffers.sites = np.empty((len(capture.sites), capture.max_rows, d_model), dtype)
         if plan.logits_positions is not None:
             buffers.logits = np.empty((plan.logits_rows, vocab), np.float32)
-            buffers.logits_positions = np.empty(plan.logits_rows, np.int64)
         return buffers
 
+    @property
+    def blocks_per_hook(self) -> int:
+        return -(-self.plan.capture.max_rows // self.rows_per_block)
+
     def nbytes(self) -> int:
-        rows = self.sites[:, : self.n_rows].nbytes if self.sites is not None else 0
+        d, dtype = self.row_shape
+        hooks = len(self.plan.capture.sites) if self.plan.capture is not None else 0
+        rows = hooks * self.n_rows * d * arrays.DTYPES[dtype].itemsize if self.rows_per_block else 0
+        rows += self.sites[:, : self.n_rows].nbytes if self.sites is not None else 0
         return rows + (self.logits[: self.n_logits].nbytes if self.logits is not None else 0)
 
-    def add_rows(self, data: np.ndarray, member: int, lo: int, n: int, dest: int, positions: np.ndarray) -> None:
+    def add_rows(self, data: np.ndarray, member: int, lo: int, n: int, dest: int) -> None:
         """Rows lo:lo+n of a step's gathered [hooks, rows, d] block (a sum row per request, at
         index `member`, for reduce=mean) into rows dest:dest+n. Rows carry their destination, so
         steps may be filed in any order."""
@@ -76,16 +90,19 @@ class RequestBuffers:
             self.sites[:, 0] += data[:, member]
         else:
             self.sites[:, dest : dest + n] = data[:, lo : lo + n]
-        self.positions[dest : dest + n] = positions[lo : lo + n]
 
-    def add_logits(self, data: np.ndarray, lo: int, n: int, dest: int, positions: np.ndarray) -> None:
+    def add_logits(self, data: np.ndarray, lo: int, n: int, dest: int) -> None:
         self.logits[dest : dest + n] = data[0, lo : lo + n]
-        self.logits_positions[dest : dest + n] = positions[lo : lo + n]
 
-    def finish(self, spill_path: Any) -> dict[str, Any]:
-        """The wire form of the result: dtype, shape and bytes (no pickle), or for large arrays a
-        shared-memory file the replica reads and deletes. Rows are in position order: chunks run
-        in order and re-run rows were skipped by the step loop."""
+    def finish(self, spill_path: Any, arena: HostArena | None, table: BlockTable) -> dict[str, Any]:
+        """The wire form of the result: arena block numbers, or dtype, shape and bytes (no pickle),
+        or for large arrays a shared-memory file the replica reads and deletes. Rows are in
+        position order: chunks run in order and re-run rows were skipped by the step loop."""
+        table_row = table.remove(self.table_slot) if self.table_slot >= 0 else np.empty(0, np.int64)
+        if self.error is not None:
+            if arena is not None:
+                arena.release(table_row[table_row >= 0])
+            return {"error": self.error}
 
         def encode(name: str, array: np.ndarray) -> dict[str, Any]:
             if spill_path is not None and array.nbytes >= SPILL_BYTES:
@@ -94,18 +111,26 @@ class RequestBuffers:
 
         activations = {}
         capture = self.plan.capture
+        d, dtype = self.row_shape
         for i, (_layer, _kind, name) in enumerate(capture.sites if capture is not None else ()):
-            if capture.reduce == "mean":
-                array = (self.sites[i, 0] / max(self.n_rows, 1)).astype(arrays.DTYPES[capture.dtype])
+            if self.rows_per_block and self.n_rows:
+                first = i * self.blocks_per_hook
+                used = -(-self.n_rows // self.rows_per_block)
+                hook_blocks = table_row[first : first + used]
+                activations[name] = describe(arena.layout, hook_blocks, dtype, (self.n_rows, d))
+            elif self.rows_per_block:
+                activations[name] = encode(name, np.empty((0, d), arrays.DTYPES[dtype]))
+            elif capture.reduce == "mean":
+                activations[name] = encode(name, (self.sites[i, 0] / max(self.n_rows, 1)).astype(arrays.DTYPES[dtype]))
             else:
-                array = self.sites[i, : self.n_rows]
-            activations[name] = encode(name, array)
+                activations[name] = encode(name, self.sites[i, : self.n_rows])
+        plan = self.plan
         return {
-            "positions": self.positions[: self.n_rows].tolist() if self.positions is not None else [],
+            "positions": captured_positions(capture.positions, plan.prompt_len, self.n_rows) if capture is not None else [],
             "activations": activations,
             "logits": encode("logits", self.logits[: self.n_logits]) if self.n_logits else None,
-            "logits_positions": self.logits_positions[: self.n_logits].tolist() if self.n_logits else [],
-            "error": self.error,
+            "logits_positions": captured_positions(plan.logits_positions, plan.prompt_len, self.n_logits) if self.n_logits else [],
+            "error": None,
         }
 
 
@@ -121,31 +146,65 @@ class StepRows:
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
-    positions: np.ndarray  # absolute position of every row
 
-    def file(self) -> None:
-        """Copy each request's rows into its buffer (the copy to host must be done)."""
+    def file(self, arena: HostArena | None, table: BlockTable) -> None:
+        """Copy each request's rows into its buffer (the copy to host must be done): those of the
+        arena's requests all at once, the others request by request."""
         data = _to_numpy(self.tensor)
+        if self.kind == "rows" and arena is not None:
+            self._file_in_arena(data, arena, table)
         members = zip(self.requests, self.offsets.tolist(), self.counts.tolist(), self.dests.tolist())
         for member, (buffers, lo, n, dest) in enumerate(members):
-            if buffers.error is not None:
+            if buffers.error is not None or (self.kind == "rows" and buffers.rows_per_block):
                 continue
             try:
                 if self.kind == "logits":
-                    buffers.add_logits(data, lo, n, dest, self.positions)
+                    buffers.add_logits(data, lo, n, dest)
                 else:
-                    buffers.add_rows(data, member, lo, n, dest, self.positions)
+                    buffers.add_rows(data, member, lo, n, dest)
             except Exception as exc:  # a bookkeeping bug must fail this request, not the worker
                 buffers.error = f"capture failed in the worker: {exc!r}"
+
+    def _file_in_arena(self, data: np.ndarray, arena: HostArena, table: BlockTable) -> None:
+        """The rows of every arena request of the step: one block lookup, one scatter."""
+        picked = np.flatnonzero(np.fromiter((b.rows_per_block > 0 and b.error is None for b in self.requests), bool))
+        if not len(picked):
+            return
+        members = [self.requests[i] for i in picked.tolist()]
+        hooks = data.shape[0]
+        try:
+            for buffers in members:
+                if buffers.table_slot < 0:
+                    buffers.table_slot = table.add(hooks * buffers.blocks_per_hook)
+            counts = self.counts[picked]
+            member = np.repeat(np.arange(len(members)), counts)
+            row = concatenated_ranges(self.dests[picked], counts)  # within each request
+            per_block = members[0].rows_per_block  # one group: one dtype and width
+            slots = np.fromiter((b.table_slot for b in members), np.int64, len(members))[member]
+            per_hook = np.fromiter((b.blocks_per_hook for b in members), np.int64, len(members))[member]
+            entries = np.arange(hooks)[:, None] * per_hook + row // per_block
+            blocks = table.fill(arena, np.broadcast_to(slots, entries.shape), entries)
+        except OSError as exc:  # shared memory full: these requests fail, the others go on
+            for buffers in members:
+                buffers.error = f"capture could not be stored in shared memory: {exc}"
+            return
+        taken = concatenated_ranges(self.offsets[picked], counts)
+        rows = data.view(np.uint8)  # [hooks, step rows, row bytes]
+        if len(taken) != rows.shape[1]:
+            rows = rows[:, taken]
+        arena.write(blocks.reshape(-1), np.tile(row % per_block, hooks), rows.reshape(len(taken) * hooks, -1))
 
 
 class Outbox:
     """A thread that files steps once their copy is done and writes finished results; work runs
-    in the order it is handed over."""
+    in the order it is handed over. It alone touches the arena."""
 
-    def __init__(self, spill_dir: str | None):
+    def __init__(self, spill_dir: str | None, d_model: int):
         self.spill_dir = spill_dir  # large results go through shared memory
-        self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers]] = queue.SimpleQueue()
+        self.arena_layout = ArenaLayout.for_model(spill_dir, d_model) if spill_dir else None
+        self.arena = HostArena(self.arena_layout) if self.arena_layout is not None else None
+        self.table = BlockTable()
+        self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers] | list[int]] = queue.SimpleQueue()
         self.busy_seconds = 0.0
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="capserve-outbox", daemon=True)
@@ -159,6 +218,25 @@ class Outbox:
         after `name`); `buffers.done` is set when it is ready."""
         self._work.put((name, buffers))
 
+    def release(self, blocks: list[int]) -> None:
+        """Arena blocks whose rows the replica has read (or will never read)."""
+        if blocks:
+            self._work.put(list(blocks))
+
+    def discard(self, result: dict[str, Any]) -> None:
+        """Free what a result nobody will read holds (a sibling completion)."""
+        blocks, paths = stored_in(result)
+        self.release(blocks)
+        for path in paths:
+            os.unlink(path)
+
+    def stats(self) -> dict[str, Any]:
+        arena = self.arena
+        return {
+            "arena_bytes": arena.reserved_bytes if arena else 0,
+            "arena_bytes_in_use": arena.blocks_in_use * arena.layout.block_bytes if arena else 0,
+        }
+
     def _run(self) -> None:
         while True:
             item = self._work.get()
@@ -166,14 +244,16 @@ class Outbox:
                 item.event.synchronize()  # releases the GIL while the copy runs
             began = time.perf_counter()
             if isinstance(item, StepRows):
-                item.file()
+                item.file(self.arena, self.table)
+            elif isinstance(item, list):
+                self.arena.release(item)
             else:
                 self._finish(*item)
             self.busy_seconds += time.perf_counter() - began
 
     def _finish(self, name: str, buffers: RequestBuffers) -> None:
         try:
-            buffers.result = buffers.finish(self._spill_path(name))
+            buffers.result = buffers.finish(self._spill_path(name), self.arena, self.table)
         except Exception as exc:  # e.g. shared memory full
             buffers.result = {"error": f"capture could not be delivered: {exc!r}"}
         finally:
@@ -184,14 +264,6 @@ class Outbox:
             return None
         numbers = itertools.count()
         return lambda _array_name: os.path.join(self.spill_dir, f"{name}-{next(numbers)}.bin")
-
-
-def discard(result: dict[str, Any]) -> None:
-    """Delete the shared-memory files of a result nobody will read (a sibling completion)."""
-    described = [*result.get("activations", {}).values(), result.get("logits") or {}]
-    for array in described:
-        if "path" in array:
-            os.unlink(array["path"])
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:

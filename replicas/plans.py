@@ -51,6 +51,12 @@ def selected_spans(
     return lo - start, np.maximum(hi, lo) - start
 
 
+def concatenated_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), in one pass."""
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
 def selected_range(spec: Positions, start: int, count: int, prompt_len: int) -> tuple[int, int] | None:
     """`selected_spans` for one chunk; None for explicit indices."""
     code = mode_code(spec)
@@ -101,6 +107,16 @@ def count_positions(spec: Positions, prompt_len: int, max_tokens: int) -> int:
     if spec == "last_prompt":
         return 1
     return len(spec)
+
+
+def captured_positions(spec: Positions, prompt_len: int, n_rows: int) -> list[int]:
+    """The positions of the first n_rows rows a spec selects. Rows are captured in position order
+    (chunks run in order, re-run rows are skipped), so the rows never need to carry them: a mode
+    selects one range, explicit indices their sorted values."""
+    if not isinstance(spec, str):
+        return np.unique(absolute_indices(spec, prompt_len))[:n_rows].tolist()
+    first = {"generated": prompt_len, "last_prompt": prompt_len - 1}.get(spec, 0)
+    return list(range(first, first + n_rows))
 
 
 def check_positions(field_name: str, spec: Positions, prompt_len: int, max_tokens: int) -> None:

@@ -28,13 +28,14 @@ import torch
 
 from replicas import _vllm
 from replicas.hooks import LAYER_KINDS, HookPoint
-from replicas.outbox import Outbox, RequestBuffers, StepRows, discard
+from replicas.outbox import Outbox, RequestBuffers, StepRows
 from replicas.plans import (
     EXPLICIT,
     PHASE_MODES,
     PLAN_KEY,
     EditPlan,
     RequestPlan,
+    concatenated_ranges,
     mode_code,
     selected_offsets,
     selected_spans,
@@ -87,9 +88,12 @@ class _Columns:
             self._grow()
         return self.free.pop()
 
-    def release(self, handle: int) -> None:
+    def reset(self, handle: int) -> None:
         for name, column in self.columns.items():
             column[handle] = self.neutral[name]
+
+    def release(self, handle: int) -> None:
+        self.reset(handle)
         self.free.append(handle)
 
     def rows(self, handles: np.ndarray) -> np.ndarray:
@@ -127,16 +131,9 @@ class _Selection:
 
     requests: list[_Entry]
     rows: np.ndarray  # rows of the step's flattened batch
-    positions: np.ndarray  # their absolute positions
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n), in one pass."""
-    before = np.cumsum(lengths) - lengths
-    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
 def _fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> None:
@@ -191,7 +188,7 @@ class _CaptureState:
         self.names = itertools.count()
         self._dirty_rows: dict[Site, int] = {}
         self._batch: _Batch | None = None
-        self.outbox = Outbox(options.get("spill_dir"))
+        self.outbox = Outbox(options.get("spill_dir"), self.layout.d_model)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.steps = 0
         self.rows_captured = 0
@@ -427,8 +424,7 @@ class _CaptureState:
         lengths[explicit] = 0
         keep = np.flatnonzero(lengths)
         entries = [self.entry_at[h] for h in rows[keep].tolist()]
-        picked_rows = [_ranges(first[keep] + a[keep], lengths[keep])]
-        positions = [_ranges(start[keep] + a[keep], lengths[keep])]
+        picked_rows = [concatenated_ranges(first[keep] + a[keep], lengths[keep])]
         counts_out = [lengths[keep]]
         for i in np.flatnonzero(explicit).tolist():
             entry = self.entry_at[int(rows[i])]
@@ -438,7 +434,6 @@ class _CaptureState:
             if len(offsets):
                 entries.append(entry)
                 picked_rows.append(first[i] + offsets)
-                positions.append(start[i] + offsets)
                 counts_out.append(np.array([len(offsets)]))
         if not entries:
             return None
@@ -452,7 +447,7 @@ class _CaptureState:
                 dests[i], buffers.n_logits = buffers.n_logits, buffers.n_logits + n
         self.rows_captured += int(counts_all.sum()) if what == "capture" else 0
         offsets = np.cumsum(counts_all) - counts_all
-        return _Selection(entries, np.concatenate(picked_rows), np.concatenate(positions), offsets, counts_all, dests)
+        return _Selection(entries, np.concatenate(picked_rows), offsets, counts_all, dests)
 
     def _gather_group(self, group: int, selection: _Selection) -> torch.Tensor:
         """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean."""
@@ -483,7 +478,7 @@ class _CaptureState:
                 event.record(self.copy_stream)
             picked.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
         buffers = [entry.buffers for entry in selection.requests]
-        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.positions))
+        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests))
 
     # ------------------------------------------------------------ request lifecycle
 
@@ -494,7 +489,7 @@ class _CaptureState:
             return UNPLANNED
         plan = RequestPlan.from_wire(wire)
         returns_data = plan.capture is not None or plan.logits_positions is not None
-        buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size) if returns_data else None
+        buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size, self.outbox.arena_layout) if returns_data else None
         handle = self.columns.allocate()
         entry = _Entry(plan, f"{plan.key}-{next(self.names)}", handle, buffers)
         self.requests[req_id] = entry
@@ -514,6 +509,10 @@ class _CaptureState:
         except Exception as exc:
             entry.error = f"interventions could not be installed: {exc}"
             self._free_slots_of(entry)
+            # it runs unsteered and captures nothing: no row may point at slots it gave back
+            columns.reset(handle)
+            columns["prompt_len"][handle] = plan.prompt_len
+            entry.buffers = None
         return handle
 
     def _group(self, capture: Any) -> int:
@@ -608,7 +607,7 @@ class _CaptureState:
                 self._retire(req_id, entry)
             results = [_result(entry) for entry in entries]
             for sibling in results[1:]:
-                discard(sibling)
+                self.outbox.discard(sibling)
             return results[:1]
 
     def stats(self) -> dict[str, Any]:
@@ -619,6 +618,7 @@ class _CaptureState:
             "bytes_held": sum(e.buffers.nbytes() for e in self.requests.values() if e.buffers is not None),
             # worker time outside the forward, for profiling; "outbox" runs on its own thread
             "seconds": dict(self.seconds, outbox=self.outbox.busy_seconds),
+            **self.outbox.stats(),
             "time": time.time(),
         }
 
@@ -641,7 +641,9 @@ class _CaptureWorkerMixin:
         options = _vllm.capserve_options(self.vllm_config)  # type: ignore[attr-defined]
         self.capserve_state = _CaptureState(_vllm.worker_runner(self), options)
 
-    def capserve_take(self, keys: list[str]) -> dict[str, list[dict[str, Any]]]:
+    def capserve_take(self, keys: list[str], released: list[int] = ()) -> dict[str, list[dict[str, Any]]]:
+        """The results of these keys; `released`: arena blocks the replica has read."""
+        self.capserve_state.outbox.release(list(released))
         return {key: self.capserve_state.take(key) for key in keys}
 
     def capserve_stats(self) -> dict[str, Any]:

@@ -195,8 +195,17 @@ def test_requests_without_capture_leave_nothing_behind(loop, engines):
     engine = engines["llama"]
     loop.run(engine.generate({"prompt": prompt_ids(5, 8), "max_tokens": 2, "capture": {"hooks": ["0:resid_pre"]}}))
     loop.run(engine.generate({"prompt": prompt_ids(5, 8), "max_tokens": 2}))
-    stats = loop.run(engine.check_health())
-    assert stats["requests_held"] == 0 and stats["bytes_held"] == 0
+    stats = loop.run(settled_stats(engine))
+    assert stats["requests_held"] == 0 and stats["bytes_held"] == 0 and stats["arena_bytes_in_use"] == 0
+
+
+async def settled_stats(engine, timeout_s: float = 10.0) -> dict:
+    """The worker's counters once the arena blocks read by the replica are back (they return with
+    the next take RPC, asynchronously), or after timeout_s as they are."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (stats := await engine.check_health())["arena_bytes_in_use"] and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return stats
 
 
 def test_cancelled_request_frees_its_state(loop, engines):
@@ -212,11 +221,12 @@ def test_cancelled_request_frees_its_state(loop, engines):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.5)
-        return await engine.check_health()
+        return await settled_stats(engine)
 
     stats = loop.run(cancel_midway())
-    assert stats["requests_held"] == 0 and stats["bytes_held"] == 0
+    # its rows filled arena blocks (500 rows > one block); the replica handed them back unread
+    assert stats["arena_bytes"] > 0
+    assert stats["requests_held"] == 0 and stats["bytes_held"] == 0 and stats["arena_bytes_in_use"] == 0
 
 
 def test_step_preparation_runs_on_every_step(loop, engines):
@@ -229,7 +239,8 @@ def test_step_preparation_runs_on_every_step(loop, engines):
 
 def test_n_completions_capture_follows_the_first(loop, engines):
     engine = engines["llama"]
-    request = {"prompt": prompt_ids(6, 17), "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": True,
+    # 44 rows: the arena holds them (a block is 32 float32 rows); the siblings' blocks go back
+    request = {"prompt": prompt_ids(40, 17), "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": True,
                "capture": {"hooks": [f"{i}:resid_post" for i in range(4)], "positions": "all"}}
     result = loop.run(engine.generate(request))
     assert result.capture_token_ids == result.prompt_token_ids + result.choices[0].token_ids[:-1]
@@ -237,3 +248,4 @@ def test_n_completions_capture_follows_the_first(loop, engines):
                                                 "max_tokens": 1, "capture": request["capture"] | {"positions": "prompt"}}))
     for name, rows in result.activations.items():
         assert_close(rows, alone.activations[name], atol=TOL)
+    assert loop.run(settled_stats(engine))["arena_bytes_in_use"] == 0

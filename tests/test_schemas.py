@@ -14,6 +14,8 @@ from replicas.plans import (
     MODE_CODES,
     PlanError,
     build_wire_plan,
+    captured_positions,
+    concatenated_ranges,
     mode_code,
     selected_offsets,
     selected_spans,
@@ -109,9 +111,9 @@ def test_vectorized_selection_equals_the_per_chunk_one():
 
 
 def test_batch_row_helpers():
-    from replicas.worker import _Columns, _fill_ranges, _ranges
+    from replicas.worker import _Columns, _fill_ranges
 
-    assert _ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
+    assert concatenated_ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
     row = np.zeros(8, np.int64)
     _fill_ranges(row, np.array([1, 4, 6]), np.array([3, 4, 8]), np.array([7, 9, 2]))
     assert row.tolist() == [0, 7, 7, 0, 0, 0, 2, 2]
@@ -193,3 +195,14 @@ def test_edit_slots_admit_by_distinct_ops():
     order = asyncio.run(scenario())
     assert order[:3] == ["a in", "b in", "released"]  # both share the one slot; c waited
     assert order.index("c in") > order.index("b out")
+
+
+def test_captured_positions_follow_each_mode_and_stop_where_the_rows_did():
+    """Rows are not stored with their positions: the result lists them from the spec and the
+    number of rows captured (fewer when generation stopped early)."""
+    assert captured_positions("all", 5, 7) == list(range(7))
+    assert captured_positions("prompt", 5, 5) == list(range(5))
+    assert captured_positions("generated", 5, 3) == [5, 6, 7]
+    assert captured_positions("last_prompt", 5, 1) == [4]
+    assert captured_positions([7, -1, 0], 5, 3) == [0, 4, 7]
+    assert captured_positions([7, -1, 0], 5, 2) == [0, 4]  # stopped before position 7 was fed

@@ -1,0 +1,150 @@
+"""The host path of capture without an engine: steps filed into the shared-memory arena (and into
+request-owned arrays for small captures) come back, through the replica's reader, as exactly the
+rows handed over, in order; blocks are reused and a full /dev/shm fails only the requests that
+needed more of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replicas.api import GenerateRequest
+from replicas.arena import CHUNK_BLOCKS, ArenaLayout, ArenaReader, BlockTable, HostArena, stored_in
+from replicas.outbox import RequestBuffers, StepRows
+from replicas.plans import RequestPlan, build_wire_plan
+
+D_MODEL = 8  # float32 rows of 32 bytes; a block holds 32 float32 or 64 bfloat16 rows
+HOOKS = ["blocks.0.hook_resid_post", "blocks.2.hook_resid_post", "blocks.3.hook_resid_post"]
+
+
+def request_plan(prompt_len: int, max_tokens: int, positions="all", dtype="float32", hooks=HOOKS) -> RequestPlan:
+    request = GenerateRequest.model_validate(
+        {"prompt": [1] * prompt_len, "max_tokens": max_tokens, "capture": {"hooks": hooks, "positions": positions, "dtype": dtype}}
+    )
+    wire = build_wire_plan(
+        "k", request, prompt_len=prompt_len, n_layers=4, d_model=D_MODEL, armed_kinds={"resid_post"},
+        steer_kinds=set(), edit_stages=1, max_capture_bytes=1 << 30,
+    )
+    return RequestPlan.from_wire(wire)
+
+
+class Host:
+    """An outbox without its thread: steps and results are filed in the calling thread."""
+
+    def __init__(self, directory: str):
+        self.layout = ArenaLayout.for_model(directory, D_MODEL)
+        self.arena = HostArena(self.layout)
+        self.table = BlockTable()
+        self.reader = ArenaReader()
+        self.sent: dict[int, list[np.ndarray]] = {}  # id(buffers) -> rows handed over, per step
+
+    def buffers(self, plan: RequestPlan) -> RequestBuffers:
+        return RequestBuffers.for_plan(plan, D_MODEL, vocab=16, arena=self.layout)
+
+    def step(self, members: list[tuple[RequestBuffers, int]], rng: np.random.Generator, dtype=torch.float32) -> None:
+        """One step in which each member gets n rows (n may be 0 for none)."""
+        members = [(b, n) for b, n in members if n]
+        counts = np.array([n for _, n in members])
+        data = torch.from_numpy(rng.standard_normal((len(HOOKS), int(counts.sum()), D_MODEL), dtype=np.float32)).to(dtype)
+        dests = np.array([b.n_rows for b, _ in members])
+        for (buffers, n), lo in zip(members, np.cumsum(counts) - counts):
+            buffers.n_rows += n
+            self.sent.setdefault(id(buffers), []).append(data[:, lo : lo + n].float().numpy())
+        rows = StepRows("rows", data, None, [b for b, _ in members], np.cumsum(counts) - counts, counts, dests)
+        rows.file(self.arena, self.table)
+
+    def result(self, buffers: RequestBuffers) -> dict[str, np.ndarray]:
+        """What the replica reads, then hands back."""
+        result = buffers.finish(None, self.arena, self.table)
+        assert result["error"] is None, result["error"]
+        arrays = {name: self.reader.read(raw) if "blocks" in raw else raw for name, raw in result["activations"].items()}
+        blocks, paths = stored_in(result)
+        assert not paths
+        self.arena.release(blocks)
+        assert result["positions"] == list(range(buffers.n_rows))
+        return arrays
+
+    def expected(self, buffers: RequestBuffers) -> np.ndarray:
+        return np.concatenate(self.sent[id(buffers)], axis=1)  # [hooks, rows, d]
+
+
+@pytest.fixture
+def host(tmp_path) -> Host:
+    return Host(str(tmp_path))
+
+
+def test_rows_come_back_in_order_across_blocks_and_interleaved_requests(host):
+    rng = np.random.default_rng(0)
+    long = host.buffers(request_plan(prompt_len=150, max_tokens=40))  # 189 rows: 6 blocks per hook
+    short = host.buffers(request_plan(prompt_len=40, max_tokens=1))  # 40 rows: 2 blocks per hook
+    host.step([(long, 70)], rng)  # a prefill chunk crossing two block boundaries
+    host.step([(long, 80), (short, 40)], rng)
+    for _ in range(39):  # decode: one row each step
+        host.step([(long, 1)], rng)
+    assert long.rows_per_block == short.rows_per_block == 32 and long.sites is None
+    for buffers in (long, short):
+        rows = host.result(buffers)
+        expected = host.expected(buffers)
+        assert [a.shape for a in rows.values()] == [(buffers.n_rows, D_MODEL)] * len(HOOKS)
+        for i, name in enumerate(HOOKS):
+            np.testing.assert_array_equal(rows[name], expected[i])
+
+
+def test_blocks_are_reused_and_a_new_chunk_comes_only_when_all_are_in_use(host):
+    rng = np.random.default_rng(1)
+    first = host.buffers(request_plan(prompt_len=256, max_tokens=1))  # 3 hooks x 8 blocks
+    host.step([(first, 256)], rng)
+    host.result(first)
+    assert host.arena.chunks == 1 and host.arena.blocks_in_use == 0
+    again = host.buffers(request_plan(prompt_len=256, max_tokens=1))
+    host.step([(again, 256)], rng)  # same blocks: a stale row would show below
+    np.testing.assert_array_equal(host.result(again)[HOOKS[1]], host.expected(again)[1])
+    # more requests than one chunk holds: the arena grows, and every request still reads back
+    many = [host.buffers(request_plan(prompt_len=256, max_tokens=1)) for _ in range(CHUNK_BLOCKS // 24 + 1)]
+    host.step([(b, 256) for b in many], rng)
+    assert host.arena.chunks == 2
+    for buffers in many:
+        np.testing.assert_array_equal(host.result(buffers)[HOOKS[2]], host.expected(buffers)[2])
+    assert host.arena.blocks_in_use == 0
+
+
+def test_small_captures_keep_their_own_arrays_beside_arena_ones_in_one_step(host):
+    rng = np.random.default_rng(2)
+    small = host.buffers(request_plan(prompt_len=20, max_tokens=1))  # 20 rows < a block: inline
+    large = host.buffers(request_plan(prompt_len=100, max_tokens=1))
+    host.step([(small, 20), (large, 100)], rng)
+    assert small.sites is not None and small.rows_per_block == 0
+    result = small.finish(None, host.arena, host.table)
+    np.testing.assert_array_equal(np.frombuffer(result["activations"][HOOKS[0]]["data"], np.float32).reshape(20, D_MODEL),
+                                  host.expected(small)[0])
+    np.testing.assert_array_equal(host.result(large)[HOOKS[0]], host.expected(large)[0])
+
+
+def test_bfloat16_rows_pack_twice_as_many_per_block(host):
+    rng = np.random.default_rng(3)
+    buffers = host.buffers(request_plan(prompt_len=130, max_tokens=1, dtype="bfloat16"))
+    host.step([(buffers, 65)], rng, torch.bfloat16)
+    host.step([(buffers, 65)], rng, torch.bfloat16)
+    assert buffers.rows_per_block == 64
+    rows = host.result(buffers)
+    assert rows[HOOKS[0]].dtype.name == "bfloat16"
+    np.testing.assert_array_equal(rows[HOOKS[0]].astype(np.float32), host.expected(buffers)[0])
+
+
+def test_a_full_shared_memory_fails_only_the_requests_that_needed_more(host, monkeypatch):
+    rng = np.random.default_rng(4)
+    small = host.buffers(request_plan(prompt_len=10, max_tokens=1))
+    holding = host.buffers(request_plan(prompt_len=256, max_tokens=1))
+    host.step([(holding, 256)], rng)
+    held = host.arena.blocks_in_use
+
+    monkeypatch.setattr(host.arena, "max_chunks", host.arena.chunks)  # the file system is full
+    needy = [host.buffers(request_plan(prompt_len=256, max_tokens=1)) for _ in range(CHUNK_BLOCKS // 24)]
+    host.step([(small, 10), *((b, 256) for b in needy)], rng)
+    assert all("fills" in b.error for b in needy)
+    assert small.error is None and holding.error is None
+    for buffers in needy:  # their blocks go back
+        assert buffers.finish(None, host.arena, host.table)["error"].startswith("capture could not be stored")
+    assert host.arena.blocks_in_use == held
+    np.testing.assert_array_equal(host.result(holding)[HOOKS[0]], host.expected(holding)[0])
