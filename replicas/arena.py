@@ -8,7 +8,8 @@ per step, whatever the number of requests), a finished capture is described by i
 numbers, the replica copies its rows out (`ArenaReader`) and hands the numbers back with its next
 `capserve_take`, and the blocks go to the next request. The arena reserves memory a chunk at a
 time when every block is in use (a full /dev/shm fails only the requests that needed the new
-chunk), never gives it back while the engine runs, and is deleted with the engine.
+chunk), gives all but one chunk back once it has stood empty for a while, and is deleted with
+the engine.
 
 A block holds `rows_per_block` rows of one hook of one request: the block size is a multiple of
 a float32 row, so a row of any capture dtype never straddles two blocks.
@@ -31,6 +32,10 @@ FLOAT32_ROWS_PER_BLOCK = 32
 CHUNK_BLOCKS = 256  # the arena grows by this many blocks: 128 MiB for a 4096-wide model
 
 
+def arena_path(directory: str) -> str:
+    return os.path.join(directory, "arena.bin")
+
+
 @dataclass(frozen=True)
 class ArenaLayout:
     path: str  # one sparse file, mapped whole by the worker and the replica
@@ -38,7 +43,7 @@ class ArenaLayout:
 
     @classmethod
     def for_model(cls, directory: str, d_model: int) -> ArenaLayout:
-        return cls(os.path.join(directory, "arena.bin"), FLOAT32_ROWS_PER_BLOCK * d_model * 4)
+        return cls(arena_path(directory), FLOAT32_ROWS_PER_BLOCK * d_model * 4)
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> ArenaLayout:
@@ -91,6 +96,18 @@ class HostArena:
         """rows[i] (a [n, row_bytes] uint8 array) into slot slots[i] of block blocks[i]."""
         row_bytes = rows.shape[1]
         self.bytes.reshape(-1, row_bytes)[blocks * self.layout.rows_per_block(row_bytes) + slots] = rows
+
+    def shrink(self) -> None:
+        """Give the memory of every chunk but the first back to the system; only while no block
+        is in use (none is written or waiting for the replica)."""
+        if self.blocks_in_use or self.chunks <= 1:
+            return
+        total = self.max_chunks * self.chunk_bytes
+        os.ftruncate(self.fd, self.chunk_bytes)  # drops the pages beyond; the mapping stays valid
+        os.ftruncate(self.fd, total)
+        per_chunk = self.chunk_bytes // self.layout.block_bytes
+        self.free = list(range(per_chunk - 1, -1, -1))
+        self.chunks = 1
 
     def _grow(self) -> None:
         if self.chunks == self.max_chunks:
@@ -172,6 +189,11 @@ class ArenaReader:
             n = min(per_block, n_rows - i * per_block)
             out[i * per_block : i * per_block + n] = rows[block * per_block : block * per_block + n]
         return out.view(dtype).reshape(n_rows, width)
+
+    def attach(self, path: str) -> None:
+        """Map the arena file and delete its name (no other process opens it by name later)."""
+        self._file(path)
+        os.unlink(path)
 
     def _file(self, path: str) -> np.ndarray:
         if path not in self._files:

@@ -26,8 +26,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replicas import arrays
-from replicas.arena import ArenaReader, stored_in
 from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
+from replicas.arena import ArenaReader, arena_path, stored_in
 from replicas.errors import CaptureFailedError, InvalidRequestError
 from replicas.hooks import LAYER_KINDS, LayerKind, served_hook_names
 from replicas.plans import PLAN_KEY, build_wire_plan
@@ -168,6 +168,9 @@ class CaptureEngine:
             shutil.rmtree(spill_dir, ignore_errors=True)
             raise ValueError(f"steer_layers: {outside} outside the model's layers 0..{engine._info.n_layers - 1}")
         engine.spill_dir = spill_dir
+        # map the worker's arena, then delete its name: its memory goes back with the last process
+        # that maps it, also when the engine is killed rather than shut down
+        engine._arena.attach(arena_path(spill_dir))
         return engine
 
     async def info(self) -> ModelInfo:
@@ -211,7 +214,11 @@ class CaptureEngine:
             finally:
                 # also on cancellation, so the worker forgets the request's rows
                 captured = await asyncio.shield(self._taker.take(key)) if returns_data else []
-            return self._result(key, final, [completions[i] for i in sorted(completions)], captured)
+            args = (key, final, [completions[i] for i in sorted(completions)], captured)
+            if captured and any("blocks" in raw for raw in captured[0].get("activations", {}).values()):
+                # copying a large capture out of the arena must not hold up the event loop
+                return await asyncio.to_thread(self._result, *args)
+            return self._result(*args)
         finally:
             self._free(captured)  # read or not, the worker's storage of them goes back
 

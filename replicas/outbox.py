@@ -35,6 +35,7 @@ SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory 
 # returns, not after the default 5 ms switch interval. (Filing small steps on the step loop
 # instead measured slower on the H200: 0.88x against 0.93x at 512 concurrent requests.)
 SWITCH_INTERVAL_S = 0.0002
+IDLE_S = 30.0  # after this long without work the arena gives back the memory no block uses
 
 
 @dataclass
@@ -47,7 +48,7 @@ class RequestBuffers:
     row_shape: tuple[int, str] = (0, "float32")  # (d, dtype) of a captured row
     rows_per_block: int = 0  # > 0: rows live in the arena, this many per block
     table_slot: int = -1  # its row of the arena's block table, once it has one
-    n_rows: int = 0  # rows handed over so far (set by the step loop)
+    n_rows: int = 0  # rows handed over (set by the step loop once the request ran its last step)
     n_logits: int = 0
     error: str | None = None
     result: dict[str, Any] | None = None
@@ -75,12 +76,17 @@ class RequestBuffers:
     def blocks_per_hook(self) -> int:
         return -(-self.plan.capture.max_rows // self.rows_per_block)
 
-    def nbytes(self) -> int:
-        d, dtype = self.row_shape
-        hooks = len(self.plan.capture.sites) if self.plan.capture is not None else 0
-        rows = hooks * self.n_rows * d * arrays.DTYPES[dtype].itemsize if self.rows_per_block else 0
-        rows += self.sites[:, : self.n_rows].nbytes if self.sites is not None else 0
-        return rows + (self.logits[: self.n_logits].nbytes if self.logits is not None else 0)
+    def nbytes(self, n_rows: int, n_logits: int) -> int:
+        """Host memory its first n_rows rows and n_logits logits rows take."""
+        capture = self.plan.capture
+        if capture is not None and capture.reduce == "mean":
+            rows = self.sites.nbytes
+        elif capture is not None:
+            d, dtype = self.row_shape
+            rows = len(capture.sites) * n_rows * d * arrays.DTYPES[dtype].itemsize
+        else:
+            rows = 0
+        return rows + (self.logits[:n_logits].nbytes if self.logits is not None else 0)
 
     def add_rows(self, data: np.ndarray, member: int, lo: int, n: int, dest: int) -> None:
         """Rows lo:lo+n of a step's gathered [hooks, rows, d] block (a sum row per request, at
@@ -171,23 +177,31 @@ class StepRows:
         if not len(picked):
             return
         members = [self.requests[i] for i in picked.tolist()]
-        hooks = data.shape[0]
         try:
-            for buffers in members:
-                if buffers.table_slot < 0:
-                    buffers.table_slot = table.add(hooks * buffers.blocks_per_hook)
-            counts = self.counts[picked]
-            member = np.repeat(np.arange(len(members)), counts)
-            row = concatenated_ranges(self.dests[picked], counts)  # within each request
-            per_block = members[0].rows_per_block  # one group: one dtype and width
-            slots = np.fromiter((b.table_slot for b in members), np.int64, len(members))[member]
-            per_hook = np.fromiter((b.blocks_per_hook for b in members), np.int64, len(members))[member]
-            entries = np.arange(hooks)[:, None] * per_hook + row // per_block
-            blocks = table.fill(arena, np.broadcast_to(slots, entries.shape), entries)
+            self._scatter(data, picked, members, arena, table)
         except OSError as exc:  # shared memory full: these requests fail, the others go on
-            for buffers in members:
-                buffers.error = f"capture could not be stored in shared memory: {exc}"
+            failure = f"capture could not be stored in shared memory: {exc}"
+        except Exception as exc:  # a bookkeeping bug must fail these requests, not the worker
+            failure = f"capture failed in the worker: {exc!r}"
+        else:
             return
+        for buffers in members:
+            buffers.error = failure
+
+    def _scatter(self, data: np.ndarray, picked: np.ndarray, members: list[RequestBuffers], arena: HostArena,
+                 table: BlockTable) -> None:
+        hooks = data.shape[0]
+        for buffers in members:
+            if buffers.table_slot < 0:
+                buffers.table_slot = table.add(hooks * buffers.blocks_per_hook)
+        counts = self.counts[picked]
+        member = np.repeat(np.arange(len(members)), counts)
+        row = concatenated_ranges(self.dests[picked], counts)  # within each request
+        per_block = members[0].rows_per_block  # one group: one dtype and width
+        slots = np.fromiter((b.table_slot for b in members), np.int64, len(members))[member]
+        per_hook = np.fromiter((b.blocks_per_hook for b in members), np.int64, len(members))[member]
+        entries = np.arange(hooks)[:, None] * per_hook + row // per_block
+        blocks = table.fill(arena, np.broadcast_to(slots, entries.shape), entries)
         taken = concatenated_ranges(self.offsets[picked], counts)
         rows = data.view(np.uint8)  # [hooks, step rows, row bytes]
         if len(taken) != rows.shape[1]:
@@ -239,7 +253,12 @@ class Outbox:
 
     def _run(self) -> None:
         while True:
-            item = self._work.get()
+            try:
+                item = self._work.get(timeout=IDLE_S)
+            except queue.Empty:
+                if self.arena is not None:
+                    self.arena.shrink()
+                continue
             if isinstance(item, StepRows) and item.event is not None:
                 item.event.synchronize()  # releases the GIL while the copy runs
             began = time.perf_counter()

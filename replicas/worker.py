@@ -175,7 +175,10 @@ class _CaptureState:
         }
         self._slot_users: dict[tuple[int, int, bytes], list[int]] = {}  # table row content -> [slot, requests]
         self.columns = _Columns()
-        for name, neutral in (("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0)):
+        for name, neutral in (
+            ("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0),
+            ("rows_taken", 0), ("logits_taken", 0),  # rows handed over so far, where the next ones go
+        ):
             self.columns.add(name, neutral)
         self.lanes: dict[tuple[Site, int], str] = {}  # (site, stage) -> prefix of its edit columns
         self.groups: dict[tuple, int] = {}  # (hooks, dtype, reduce) -> capture group
@@ -423,7 +426,7 @@ class _CaptureState:
         explicit = modes == EXPLICIT
         lengths[explicit] = 0
         keep = np.flatnonzero(lengths)
-        entries = [self.entry_at[h] for h in rows[keep].tolist()]
+        handles = [rows[keep]]
         picked_rows = [concatenated_ranges(first[keep] + a[keep], lengths[keep])]
         counts_out = [lengths[keep]]
         for i in np.flatnonzero(explicit).tolist():
@@ -432,21 +435,19 @@ class _CaptureState:
             offsets = selected_offsets(spec, int(start[i]), int(counts[i]), int(prompt_len[i]))
             offsets = offsets[offsets >= fresh_from[i]]
             if len(offsets):
-                entries.append(entry)
+                handles.append(rows[i : i + 1])
                 picked_rows.append(first[i] + offsets)
                 counts_out.append(np.array([len(offsets)]))
-        if not entries:
+        picked = np.concatenate(handles)
+        if not len(picked):
             return None
         counts_all = np.concatenate(counts_out)
-        dests = np.empty(len(entries), np.int64)
-        for i, (entry, n) in enumerate(zip(entries, counts_all.tolist())):
-            buffers = entry.buffers
-            if what == "capture":
-                dests[i], buffers.n_rows = buffers.n_rows, buffers.n_rows + n
-            else:
-                dests[i], buffers.n_logits = buffers.n_logits, buffers.n_logits + n
+        taken = self.columns["rows_taken" if what == "capture" else "logits_taken"]
+        dests = taken[picked]
+        taken[picked] += counts_all
         self.rows_captured += int(counts_all.sum()) if what == "capture" else 0
         offsets = np.cumsum(counts_all) - counts_all
+        entries = [self.entry_at[h] for h in picked.tolist()]
         return _Selection(entries, np.concatenate(picked_rows), offsets, counts_all, dests)
 
     def _gather_group(self, group: int, selection: _Selection) -> torch.Tensor:
@@ -566,6 +567,8 @@ class _CaptureState:
         """The request will run no more steps: free its slots and handle, queue its result."""
         if entry.finishing:
             return
+        if entry.buffers is not None:
+            entry.buffers.n_rows, entry.buffers.n_logits = self._taken(entry)
         entry.finishing = True
         self._free_slots_of(entry)
         self.handle_of.pop(req_id, None)
@@ -573,6 +576,12 @@ class _CaptureState:
         self.columns.release(entry.handle)
         if entry.buffers is not None and entry.error is None:
             self.outbox.finish(entry.name, entry.buffers)
+
+    def _taken(self, entry: _Entry) -> tuple[int, int]:
+        """Rows and logits rows handed over for the entry so far."""
+        if entry.finishing:
+            return entry.buffers.n_rows, entry.buffers.n_logits
+        return int(self.columns["rows_taken"][entry.handle]), int(self.columns["logits_taken"][entry.handle])
 
     def _release_finished(self) -> None:
         """Retire the requests vLLM has finished; forget those that return nothing (the others
@@ -615,7 +624,7 @@ class _CaptureState:
             "steps": self.steps,
             "rows_captured": self.rows_captured,
             "requests_held": len(self.requests),
-            "bytes_held": sum(e.buffers.nbytes() for e in self.requests.values() if e.buffers is not None),
+            "bytes_held": sum(e.buffers.nbytes(*self._taken(e)) for e in self.requests.values() if e.buffers is not None),
             # worker time outside the forward, for profiling; "outbox" runs on its own thread
             "seconds": dict(self.seconds, outbox=self.outbox.busy_seconds),
             **self.outbox.stats(),

@@ -5,6 +5,8 @@ needed more of it."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -104,9 +106,24 @@ def test_blocks_are_reused_and_a_new_chunk_comes_only_when_all_are_in_use(host):
     many = [host.buffers(request_plan(prompt_len=256, max_tokens=1)) for _ in range(CHUNK_BLOCKS // 24 + 1)]
     host.step([(b, 256) for b in many], rng)
     assert host.arena.chunks == 2
+    pending = many.pop()
     for buffers in many:
         np.testing.assert_array_equal(host.result(buffers)[HOOKS[2]], host.expected(buffers)[2])
-    assert host.arena.blocks_in_use == 0
+    reserved = shm_bytes(host)
+    host.arena.shrink()  # a block still waits for the replica: nothing is given back
+    assert host.arena.chunks == 2 and shm_bytes(host) == reserved
+    np.testing.assert_array_equal(host.result(pending)[HOOKS[0]], host.expected(pending)[0])
+    host.arena.shrink()  # idle: back to one chunk, and its memory to the system
+    assert host.arena.chunks == 1 and host.arena.blocks_in_use == 0
+    assert shm_bytes(host) == reserved // 2
+    after = host.buffers(request_plan(prompt_len=256, max_tokens=1))
+    host.step([(after, 256)], rng)  # works as before
+    np.testing.assert_array_equal(host.result(after)[HOOKS[0]], host.expected(after)[0])
+
+
+def shm_bytes(host: Host) -> int:
+    """Memory the arena file holds (its size is the file system's: it is sparse)."""
+    return os.stat(host.layout.path).st_blocks * 512
 
 
 def test_small_captures_keep_their_own_arrays_beside_arena_ones_in_one_step(host):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import numpy as np
@@ -197,6 +198,8 @@ def test_requests_without_capture_leave_nothing_behind(loop, engines):
     loop.run(engine.generate({"prompt": prompt_ids(5, 8), "max_tokens": 2}))
     stats = loop.run(settled_stats(engine))
     assert stats["requests_held"] == 0 and stats["bytes_held"] == 0 and stats["arena_bytes_in_use"] == 0
+    # the arena is mapped by the worker and the replica only: a killed engine leaves no file behind
+    assert os.listdir(engine.spill_dir) == []
 
 
 async def settled_stats(engine, timeout_s: float = 10.0) -> dict:
