@@ -21,6 +21,7 @@ import errno
 import mmap
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from replicas import arrays
 
 FLOAT32_ROWS_PER_BLOCK = 32
 CHUNK_BLOCKS = 256  # the arena grows by this many blocks: 128 MiB for a 4096-wide model
+COPY_THREADS = min(4, os.cpu_count() or 1)
+PARALLEL_COPY_BYTES = 16 << 20  # a step's rows are split into parts of at least this size
 
 
 def arena_path(directory: str) -> str:
@@ -72,6 +75,7 @@ class HostArena:
         self.bytes = np.frombuffer(mmap.mmap(self.fd, self.max_chunks * self.chunk_bytes), np.uint8)
         self.chunks = 0
         self.free: list[int] = []
+        self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="capserve-arena")
 
     @property
     def reserved_bytes(self) -> int:
@@ -93,9 +97,21 @@ class HostArena:
         self.free.extend(int(b) for b in blocks)
 
     def write(self, blocks: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-        """rows[i] (a [n, row_bytes] uint8 array) into slot slots[i] of block blocks[i]."""
+        """rows[i] (a [n, row_bytes] uint8 array) into slot slots[i] of block blocks[i]; a large
+        step in parts on several threads (numpy lets go of the GIL while it copies)."""
         row_bytes = rows.shape[1]
-        self.bytes.reshape(-1, row_bytes)[blocks * self.layout.rows_per_block(row_bytes) + slots] = rows
+        target = self.bytes.reshape(-1, row_bytes)
+        index = blocks * self.layout.rows_per_block(row_bytes) + slots
+        parts = min(COPY_THREADS, rows.nbytes // PARALLEL_COPY_BYTES)
+        if parts <= 1:
+            target[index] = rows
+            return
+        bounds = np.linspace(0, len(rows), parts + 1).astype(int).tolist()
+
+        def copy(lo: int, hi: int) -> None:
+            target[index[lo:hi]] = rows[lo:hi]
+
+        list(self._copiers.map(copy, bounds[:-1], bounds[1:]))
 
     def shrink(self) -> None:
         """Give the memory of every chunk but the first back to the system; only while no block

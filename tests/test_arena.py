@@ -165,3 +165,14 @@ def test_a_full_shared_memory_fails_only_the_requests_that_needed_more(host, mon
         assert buffers.finish(None, host.arena, host.table)["error"].startswith("capture could not be stored")
     assert host.arena.blocks_in_use == held
     np.testing.assert_array_equal(host.result(holding)[HOOKS[0]], host.expected(holding)[0])
+
+
+def test_a_large_step_is_written_in_parts_to_the_same_rows(tmp_path, monkeypatch):
+    layout = ArenaLayout.for_model(str(tmp_path), 1024)  # float32 rows of 4 KiB, 32 per block
+    arena = HostArena(layout)
+    monkeypatch.setattr("replicas.arena.COPY_THREADS", 3)
+    rows = np.random.default_rng(5).integers(0, 255, (12288, 4096), np.uint8)  # 48 MiB: three parts
+    blocks = np.repeat(arena.allocate(384)[::-1], 32)
+    slots = np.tile(np.arange(32), 384)
+    arena.write(blocks, slots, rows)
+    np.testing.assert_array_equal(arena.bytes.reshape(-1, 4096)[blocks * 32 + slots], rows)
