@@ -193,8 +193,9 @@ def capserve_options(vllm_config: Any) -> dict[str, Any]:
     return dict((vllm_config.additional_config or {}).get("capserve", {}))
 
 
-def has_request(runner: Any, req_id: str) -> bool:
-    return req_id in runner.requests
+def requests_gone(runner: Any, req_ids: Any) -> set[str]:
+    """Those of req_ids (a set or dict keys) the runner no longer holds: one set difference."""
+    return req_ids - runner.requests.keys()
 
 
 def request_extra_args(runner: Any, req_id: str) -> dict[str, Any]:

@@ -586,7 +586,7 @@ class _CaptureState:
     def _release_finished(self) -> None:
         """Retire the requests vLLM has finished; forget those that return nothing (the others
         wait for `take`)."""
-        for req_id in [r for r in self.handle_of if not _vllm.has_request(self.runner, r)]:
+        for req_id in _vllm.requests_gone(self.runner, self.handle_of.keys()):
             entry = self.requests.get(req_id)
             if entry is None:  # unplanned
                 del self.handle_of[req_id]
