@@ -32,6 +32,8 @@ from replicas.errors import CaptureFailedError, InvalidRequestError
 from replicas.hooks import LAYER_KINDS, LayerKind, served_hook_names
 from replicas.plans import PLAN_KEY, build_wire_plan
 
+MIN_SHARED_MEMORY_BYTES = 2 << 30
+
 LOCKED_SETTINGS: dict[str, Any] = {
     "tensor_parallel_size": 1,  # one replica = one GPU; the worker bookkeeping assumes one rank
     "pipeline_parallel_size": 1,
@@ -155,7 +157,7 @@ class CaptureEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        spill_dir = tempfile.mkdtemp(prefix="capserve-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        spill_dir = tempfile.mkdtemp(prefix="capserve-", dir=_spill_parent())
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir)))
         except BaseException:
@@ -405,6 +407,14 @@ class _BatchedTake:
                 for future in batch.values():
                     if not future.done():
                         future.set_exception(exc)
+
+
+def _spill_parent() -> str | None:
+    """/dev/shm, unless it is missing or small (a container's default is 64 MiB): then the
+    temporary folder (None), whose page cache serves the worker's large results more slowly."""
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").total >= MIN_SHARED_MEMORY_BYTES:
+        return "/dev/shm"
+    return None
 
 
 def _delete_files(paths: list[str]) -> None:

@@ -650,9 +650,9 @@ class _CaptureWorkerMixin:
         options = _vllm.capserve_options(self.vllm_config)  # type: ignore[attr-defined]
         self.capserve_state = _CaptureState(_vllm.worker_runner(self), options)
 
-    def capserve_take(self, keys: list[str], released: list[int] = ()) -> dict[str, list[dict[str, Any]]]:
+    def capserve_take(self, keys: list[str], released: list[int] | None = None) -> dict[str, list[dict[str, Any]]]:
         """The results of these keys; `released`: arena blocks the replica has read."""
-        self.capserve_state.outbox.release(list(released))
+        self.capserve_state.outbox.release(released or [])
         return {key: self.capserve_state.take(key) for key in keys}
 
     def capserve_stats(self) -> dict[str, Any]:
