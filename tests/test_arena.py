@@ -176,3 +176,17 @@ def test_a_large_step_is_written_in_parts_to_the_same_rows(tmp_path, monkeypatch
     slots = np.tile(np.arange(32), 384)
     arena.write(blocks, slots, rows)
     np.testing.assert_array_equal(arena.bytes.reshape(-1, 4096)[blocks * 32 + slots], rows)
+
+
+def test_a_small_dev_shm_sends_results_through_the_temporary_folder(monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from replicas import engine
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(os.path, "isdir", lambda path: True)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))  # a container's default
+    assert engine._spill_parent() is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 30, 0, 64 << 30))
+    assert engine._spill_parent() == "/dev/shm"
