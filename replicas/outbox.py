@@ -36,6 +36,7 @@ SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory 
 # instead measured slower on the H200: 0.88x against 0.93x at 512 concurrent requests.)
 SWITCH_INTERVAL_S = 0.0002
 IDLE_S = 30.0  # after this long without work the arena gives back the memory no block uses
+BACKLOG_BYTES = 4 << 30  # two of the largest steps (8192 tokens x 32 layers x 4096 x bf16 = 2 GiB)
 
 
 @dataclass
@@ -213,18 +214,31 @@ class Outbox:
     """A thread that files steps once their copy is done and writes finished results; work runs
     in the order it is handed over. It alone touches the arena."""
 
-    def __init__(self, spill_dir: str | None, d_model: int):
+    def __init__(self, spill_dir: str | None, d_model: int, backlog_bytes: int = BACKLOG_BYTES):
         self.spill_dir = spill_dir  # large results go through shared memory
         self.arena_layout = ArenaLayout.for_model(spill_dir, d_model) if spill_dir else None
         self.arena = HostArena(self.arena_layout) if self.arena_layout is not None else None
         self.table = BlockTable()
         self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers] | list[int]] = queue.SimpleQueue()
         self.busy_seconds = 0.0
+        self.backlog_bytes = backlog_bytes
+        self._queued_bytes = 0  # host rows handed over and not filed yet
+        self._filed = threading.Condition()
+        self.wait_seconds = 0.0  # the step loop's, for a full backlog
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="capserve-outbox", daemon=True)
         self._thread.start()
 
     def put(self, rows: StepRows) -> None:
+        """Queue a step's rows; while the rows not filed yet exceed the backlog the step loop
+        waits here (the GPU running ahead would only pile up pinned host memory)."""
+        size = rows.tensor.nbytes
+        with self._filed:
+            if self._queued_bytes and self._queued_bytes + size > self.backlog_bytes:
+                began = time.perf_counter()
+                self._filed.wait_for(lambda: not self._queued_bytes or self._queued_bytes + size <= self.backlog_bytes)
+                self.wait_seconds += time.perf_counter() - began
+            self._queued_bytes += size
         self._work.put(rows)
 
     def finish(self, name: str, buffers: RequestBuffers) -> None:
@@ -263,7 +277,12 @@ class Outbox:
                 item.event.synchronize()  # releases the GIL while the copy runs
             began = time.perf_counter()
             if isinstance(item, StepRows):
-                item.file(self.arena, self.table)
+                try:
+                    item.file(self.arena, self.table)
+                finally:
+                    with self._filed:
+                        self._queued_bytes -= item.tensor.nbytes
+                        self._filed.notify()
             elif isinstance(item, list):
                 self.arena.release(item)
             else:

@@ -626,7 +626,7 @@ class _CaptureState:
             "requests_held": len(self.requests),
             "bytes_held": sum(e.buffers.nbytes(*self._taken(e)) for e in self.requests.values() if e.buffers is not None),
             # worker time outside the forward, for profiling; "outbox" runs on its own thread
-            "seconds": dict(self.seconds, outbox=self.outbox.busy_seconds),
+            "seconds": dict(self.seconds, outbox=self.outbox.busy_seconds, backlog_wait=self.outbox.wait_seconds),
             **self.outbox.stats(),
             "time": time.time(),
         }

@@ -190,3 +190,38 @@ def test_a_small_dev_shm_sends_results_through_the_temporary_folder(monkeypatch)
     assert engine._spill_parent() is None
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 30, 0, 64 << 30))
     assert engine._spill_parent() == "/dev/shm"
+
+
+def test_the_step_loop_waits_while_the_backlog_of_unfiled_rows_is_full():
+    """Rows whose copy has not finished (or not been filed) count against the backlog: a step
+    that would overflow it waits for the outbox, one that fits, or the first, goes straight in."""
+    import threading
+
+    from replicas.outbox import Outbox
+
+    class SlowCopy:  # a CUDA event whose copy ends when the test says so
+        def __init__(self):
+            self.done = threading.Event()
+
+        def synchronize(self):
+            self.done.wait()
+
+    outbox = Outbox(None, D_MODEL, backlog_bytes=2000)
+    plan = request_plan(prompt_len=10, max_tokens=1)
+    buffers = [RequestBuffers.for_plan(plan, D_MODEL, 16, None) for _ in range(3)]
+
+    def step(buffers, copy, rows=10):  # 3 hooks x rows x 8 float32 = 96 bytes a row
+        data = torch.zeros(len(HOOKS), rows, D_MODEL)
+        return StepRows("rows", data, copy, [buffers], np.array([0]), np.array([rows]), np.array([0]))
+
+    first = SlowCopy()
+    outbox.put(step(buffers[0], first, rows=20))  # 1,920 bytes: over nothing, so it goes in
+    blocked = threading.Thread(target=outbox.put, args=(step(buffers[1], None),))
+    blocked.start()
+    blocked.join(timeout=0.5)
+    assert blocked.is_alive()  # 1,920 + 960 > 2,000: waits for the first step's copy
+    first.done.set()
+    blocked.join(timeout=10)
+    assert not blocked.is_alive()
+    outbox.finish("b1", buffers[1])
+    assert buffers[1].done.wait(10) and outbox.wait_seconds > 0
