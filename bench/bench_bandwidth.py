@@ -127,7 +127,7 @@ async def one_batch(submit: Submit, base: dict[str, Any], prompts: list[list[int
 
 async def measure(submit: Submit, plan: Plan, requests: int, rounds: int) -> dict[str, Any]:
     prompts = Workload("batch", requests, plan.workload.prompt_len, 0).prompt_ids(vocab=VOCAB)
-    warm = prompts[: min(4, requests)]  # full-shape requests: first-use host buffers, spill files
+    warm = prompts[: min(4, requests)]  # full-shape requests: the arena reserves its first chunks
     await one_batch(submit, plan.plain_request(), warm, plan)
     await one_batch(submit, plan.capture_request(), warm, plan)
     out: dict[str, Any] = {"rounds": []}
