@@ -277,17 +277,20 @@ class Outbox:
                 item.event.synchronize()  # releases the GIL while the copy runs
             began = time.perf_counter()
             if isinstance(item, StepRows):
-                try:
-                    item.file(self.arena, self.table)
-                finally:
-                    with self._filed:
-                        self._queued_bytes -= item.tensor.nbytes
-                        self._filed.notify()
+                self._file(item)
             elif isinstance(item, list):
                 self.arena.release(item)
             else:
                 self._finish(*item)
             self.busy_seconds += time.perf_counter() - began
+
+    def _file(self, rows: StepRows) -> None:
+        try:
+            rows.file(self.arena, self.table)
+        finally:
+            with self._filed:
+                self._queued_bytes -= rows.tensor.nbytes
+                self._filed.notify()
 
     def _finish(self, name: str, buffers: RequestBuffers) -> None:
         try:
