@@ -67,6 +67,7 @@ class HostArena:
 
     def __init__(self, layout: ArenaLayout, chunk_blocks: int = CHUNK_BLOCKS):
         self.layout = layout
+        self.chunk_blocks = chunk_blocks
         self.chunk_bytes = chunk_blocks * layout.block_bytes
         directory = os.path.dirname(layout.path)
         self.max_chunks = shutil.disk_usage(directory).total // self.chunk_bytes
@@ -83,7 +84,7 @@ class HostArena:
 
     @property
     def blocks_in_use(self) -> int:
-        return self.reserved_bytes // self.layout.block_bytes - len(self.free)
+        return self.chunks * self.chunk_blocks - len(self.free)
 
     def allocate(self, n: int) -> np.ndarray:
         """n block numbers; raises OSError when shared memory cannot hold another chunk."""
@@ -121,8 +122,7 @@ class HostArena:
         total = self.max_chunks * self.chunk_bytes
         os.ftruncate(self.fd, self.chunk_bytes)  # drops the pages beyond; the mapping stays valid
         os.ftruncate(self.fd, total)
-        per_chunk = self.chunk_bytes // self.layout.block_bytes
-        self.free = list(range(per_chunk - 1, -1, -1))
+        self.free = list(range(self.chunk_blocks - 1, -1, -1))
         self.chunks = 1
 
     def _grow(self) -> None:
@@ -131,8 +131,8 @@ class HostArena:
         # reserve the pages now: a full /dev/shm is an OSError here, where a write through the
         # mapping would kill the engine core with SIGBUS
         os.posix_fallocate(self.fd, self.chunks * self.chunk_bytes, self.chunk_bytes)
-        per_chunk = self.chunk_bytes // self.layout.block_bytes
-        self.free.extend(range((self.chunks + 1) * per_chunk - 1, self.chunks * per_chunk - 1, -1))
+        first = self.chunks * self.chunk_blocks
+        self.free.extend(range(first + self.chunk_blocks - 1, first - 1, -1))
         self.chunks += 1
 
 
@@ -185,6 +185,14 @@ def stored_in(result: dict[str, Any]) -> tuple[list[int], list[str]]:
     described = [*result.get("activations", {}).values(), result.get("logits") or {}]
     blocks = [int(block) for array in described for block in array.get("blocks", ())]
     return blocks, [array["path"] for array in described if "path" in array]
+
+
+def delete_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # read (and deleted) already
+            pass
 
 
 class ArenaReader:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replicas import arrays
 from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
-from replicas.arena import ArenaReader, arena_path, stored_in
+from replicas.arena import ArenaReader, arena_path, delete_files, stored_in
 from replicas.errors import CaptureFailedError, InvalidRequestError
 from replicas.hooks import LAYER_KINDS, LayerKind, served_hook_names
 from replicas.plans import PLAN_KEY, build_wire_plan
@@ -233,7 +233,7 @@ class CaptureEngine:
         for result in captured:
             blocks, paths = stored_in(result)
             self._taker.release(blocks)
-            _delete_files(paths)
+            delete_files(paths)
 
     def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         prompt = request.prompt
@@ -415,14 +415,6 @@ def _spill_parent() -> str | None:
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").total >= MIN_SHARED_MEMORY_BYTES:
         return "/dev/shm"
     return None
-
-
-def _delete_files(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:  # read already
-            pass
 
 
 def _validated(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:

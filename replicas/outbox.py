@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from replicas import arrays
-from replicas.arena import ArenaLayout, BlockTable, HostArena, describe, stored_in
+from replicas.arena import ArenaLayout, BlockTable, HostArena, delete_files, describe, stored_in
 from replicas.plans import RequestPlan, captured_positions, concatenated_ranges
 
 SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory file
@@ -255,8 +255,7 @@ class Outbox:
         """Free what a result nobody will read holds (a sibling completion)."""
         blocks, paths = stored_in(result)
         self.release(blocks)
-        for path in paths:
-            os.unlink(path)
+        delete_files(paths)
 
     def stats(self) -> dict[str, Any]:
         arena = self.arena
