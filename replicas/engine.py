@@ -13,6 +13,8 @@ model (layers, width, armed kinds, byte cap, prompt length) fails the one reques
 from __future__ import annotations
 
 import asyncio
+import bisect
+import logging
 import os
 import shutil
 import tempfile
@@ -26,23 +28,33 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replicas import arrays
-from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
+from replicas.api import CaptureSpec, Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
+from replicas.architectures import BlockShape, absent_kinds, block_shape, layer_kinds
 from replicas.arena import ArenaReader, arena_path, delete_files, stored_in
 from replicas.errors import CaptureFailedError, InvalidRequestError
 from replicas.hooks import LAYER_KINDS, LayerKind, served_hook_names
-from replicas.plans import PLAN_KEY, build_wire_plan
+from replicas.plans import PLAN_KEY, build_wire_plan, reduced_on_replica
 
 MIN_SHARED_MEMORY_BYTES = 2 << 30
+logger = logging.getLogger("capserve.engine")
 
 LOCKED_SETTINGS: dict[str, Any] = {
     "tensor_parallel_size": 1,  # one replica = one GPU; the worker bookkeeping assumes one rank
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "enable_prefix_caching": False,  # cached prefixes skip the forward, so their rows are never seen
+    "speculative_config": None,  # draft tokens would run through the hooks: captured and edited
+    "kv_transfer_config": None,  # prefill computed elsewhere never runs through this replica's hooks
     "worker_cls": "replicas.worker.CaptureWorker",
     "worker_extension_cls": "",
     "additional_config": None,  # carries capserve's worker options
 }
+
+
+LOCKED_REASON = (
+    "one GPU per replica; every token runs through the hooks exactly once, so no prefix caching, "
+    "speculative decoding or KV transfer; capserve's own worker"
+)
 
 
 class EngineConfig(BaseModel):
@@ -61,9 +73,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA graphs on GPU.")
     load_format: str = "auto"
     seed: int = 0
-    armed_kinds: list[LayerKind] = Field(
-        default_factory=lambda: list(LAYER_KINDS),
-        description="Hook kinds capturable on every layer; each costs one row copy per step inside the graph.",
+    armed_kinds: list[LayerKind] | None = Field(
+        None,
+        description="Hook kinds capturable on every layer (default: every kind the architecture's blocks have); "
+        "each costs one row copy per step inside the graph.",
     )
     steer_kinds: list[LayerKind] | None = Field(
         None,
@@ -79,14 +92,30 @@ class EngineConfig(BaseModel):
         64, ge=1, description="Distinct interventions (op and vector) per hook running at once; requests with the same one share it."
     )
     max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
+    allow_unverified_vllm: bool = Field(
+        False, description="Run on a vLLM release capserve's internals were not verified on (replicas/_vllm.py)."
+    )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    def engine_args(self, spill_dir: str | None = None) -> dict[str, Any]:
+    def for_checkpoint(self, shape: BlockShape, checkpoint_dtype: str | None) -> "EngineConfig":
+        """This config with what the checkpoint decides filled in: the kinds its blocks have
+        (a kind they lack, asked for by name, is an error) and, for dtype auto, its own dtype."""
+        kinds, absent = layer_kinds(shape), absent_kinds(shape)
+        for name in ("armed_kinds", "steer_kinds"):
+            lacking = [k for k in getattr(self, name) or () if k in absent]
+            if lacking:
+                raise ValueError(f"{name}: {lacking[0]!r} does not exist in this model: {absent[lacking[0]]}")
+        update: dict[str, Any] = {"armed_kinds": list(self.armed_kinds or kinds)}
+        if self.dtype == "auto" and checkpoint_dtype is not None:
+            update["dtype"] = checkpoint_dtype
+        return self.model_copy(update=update)
+
+    def engine_args(self, spill_dir: str | None = None, shape: BlockShape = "pre_norm") -> dict[str, Any]:
         for key in LOCKED_SETTINGS:
             if key in self.engine_kwargs:
                 raise ValueError(
                     f"engine_kwargs.{key} cannot be set: capserve locks {key}={LOCKED_SETTINGS[key]!r} "
-                    f"(tensor/pipeline parallel 1, prefix caching off, capserve's own worker)"
+                    f"({LOCKED_REASON})"
                 )
         from replicas import _vllm
 
@@ -107,7 +136,8 @@ class EngineConfig(BaseModel):
             args["kv_cache_memory_bytes"] = 1 << 30
         args["additional_config"] = {
             "capserve": {
-                "armed_kinds": list(self.armed_kinds),
+                "block_shape": shape,
+                "armed_kinds": list(self.armed_kinds or LAYER_KINDS),
                 "steer_kinds": self.steerable_kinds(),
                 "steer_layers": self.steer_layers,
                 "edit_stages": self.edit_stages,
@@ -119,11 +149,12 @@ class EngineConfig(BaseModel):
         return args
 
     def steerable_kinds(self) -> list[str]:
+        armed = self.armed_kinds or LAYER_KINDS
         if self.steer_kinds is None:
-            return list(self.armed_kinds)
-        unarmed = set(self.steer_kinds) - set(self.armed_kinds)
+            return list(armed)
+        unarmed = set(self.steer_kinds) - set(armed)
         if unarmed:
-            raise ValueError(f"steer_kinds {sorted(unarmed)} are not in armed_kinds {self.armed_kinds}")
+            raise ValueError(f"steer_kinds {sorted(unarmed)} are not in armed_kinds {list(armed)}")
         return list(self.steer_kinds)
 
     def _optional(self) -> dict[str, Any]:
@@ -137,10 +168,11 @@ class EngineConfig(BaseModel):
 
 
 class CaptureEngine:
-    def __init__(self, llm: Any, config: EngineConfig, info: ModelInfo, name: str | None = None):
+    def __init__(self, llm: Any, config: EngineConfig, info: ModelInfo, name: str | None = None, shape: BlockShape = "pre_norm"):
         self.llm = llm
         self.config = config
         self._info = info
+        self.shape = shape
         self.name = name
         # skip_tokenizer_init (benchmarks on dummy weights): prompts must then be token ids
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
@@ -157,13 +189,23 @@ class CaptureEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from replicas import _vllm
+
+        version = _vllm.check_version(config.allow_unverified_vllm)
+        architecture, hf_config, checkpoint_dtype = _checkpoint(config)
+        shape = block_shape(architecture, hf_config)  # refuses an undeclared architecture before vLLM starts
+        config = config.for_checkpoint(shape, checkpoint_dtype)
+        logger.info(
+            "engine %s: %s (%s blocks), dtype %s%s, vLLM %s", name, architecture, shape, config.dtype,
+            " (the checkpoint's own)" if checkpoint_dtype and config.dtype == checkpoint_dtype else "", version,
+        )
         spill_dir = tempfile.mkdtemp(prefix="capserve-", dir=_spill_parent())
         try:
-            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir)))
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape)))
         except BaseException:
             shutil.rmtree(spill_dir, ignore_errors=True)
             raise
-        engine = cls(llm, config, _model_info(llm, config), name)
+        engine = cls(llm, config, _model_info(llm, config), name, shape)
         outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
         if outside:
             llm.shutdown()
@@ -197,13 +239,14 @@ class CaptureEngine:
         key = uuid.uuid4().hex
         plan = self._plan(key, request, prompt_ids)
         params = self._sampling_params(request, plan)
-        returns_data = plan is not None and ("capture" in plan or "logits" in plan)
+        # an edit-only request is taken too: an edit the worker could not install fails it there
+        finish = _Finish(plan is not None, request.capture, len(prompt_ids))
         if request.interventions:
             async with self._edit_slots.hold(plan["edits"]):
-                return await self._run(key, prompt_ids, params, returns_data)
-        return await self._run(key, prompt_ids, params, returns_data)
+                return await self._run(key, prompt_ids, params, finish)
+        return await self._run(key, prompt_ids, params, finish)
 
-    async def _run(self, key: str, prompt_ids: list[int], params: Any, returns_data: bool) -> GenerateResult:
+    async def _run(self, key: str, prompt_ids: list[int], params: Any, finish: "_Finish") -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
         final, completions, captured = None, {}, []
@@ -215,8 +258,8 @@ class CaptureEngine:
                     completions.update((c.index, c) for c in output.outputs)
             finally:
                 # also on cancellation, so the worker forgets the request's rows
-                captured = await asyncio.shield(self._taker.take(key)) if returns_data else []
-            args = (key, final, [completions[i] for i in sorted(completions)], captured)
+                captured = await asyncio.shield(self._taker.take(key)) if finish.takes else []
+            args = (key, final, [completions[i] for i in sorted(completions)], captured, finish)
             if captured and any("blocks" in raw for raw in captured[0].get("activations", {}).values()):
                 # copying a large capture out of the arena must not hold up the event loop
                 return await asyncio.to_thread(self._result, *args)
@@ -270,6 +313,7 @@ class CaptureEngine:
                 steer_layers=None if self.config.steer_layers is None else set(self.config.steer_layers),
                 edit_stages=self.config.edit_stages,
                 max_capture_bytes=self.config.max_capture_bytes,
+                absent_kinds=absent_kinds(self.shape),
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
@@ -291,7 +335,9 @@ class CaptureEngine:
             extra_args={PLAN_KEY: plan} if plan else None,
         )
 
-    def _result(self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]]) -> GenerateResult:
+    def _result(
+        self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]], finish: "_Finish"
+    ) -> GenerateResult:
         choices = [
             Choice(text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason, logprobs=_logprobs(c.logprobs))
             for c in completions
@@ -314,13 +360,36 @@ class CaptureEngine:
         if first["error"]:
             raise CaptureFailedError(first["error"])
         sequence = prompt_ids + choices[0].token_ids
-        result.positions = first["positions"]
-        result.capture_token_ids = [sequence[p] for p in first["positions"]]
-        result.activations = {name: self._worker_array(raw) for name, raw in first["activations"].items()}
+        # The engine core may have run steps past what the caller gets back (a stop string is
+        # matched in the front end after the core ran on): keep the rows of fed tokens only.
+        fed = len(sequence) - 1
+        kept = bisect.bisect_left(first["positions"], fed)
+        result.positions = first["positions"][:kept]
+        result.capture_token_ids = [sequence[p] for p in result.positions]
+        result.activations = {name: finish.rows(self._worker_array(raw), kept) for name, raw in first["activations"].items()}
         if first["logits"] is not None:
-            result.logits = self._worker_array(first["logits"])
-            result.logits_positions = first["logits_positions"]
+            kept_logits = bisect.bisect_left(first["logits_positions"], fed)
+            result.logits = self._worker_array(first["logits"])[:kept_logits]
+            result.logits_positions = first["logits_positions"][:kept_logits]
         return result
+
+
+class _Finish:
+    """What the replica does with a request's rows once it knows which tokens the caller gets."""
+
+    def __init__(self, takes: bool, capture: CaptureSpec | None, prompt_len: int):
+        self.takes = takes
+        # a mean over rows that may run past the returned tokens is taken here, after trimming
+        self.mean_dtype = capture.dtype if capture is not None and reduced_on_replica(capture, prompt_len) else None
+
+    def rows(self, array: np.ndarray, kept: int) -> np.ndarray:
+        """The first `kept` rows, or their mean; a mean the worker took ([d]) covers prompt rows only."""
+        if array.ndim == 1:
+            return array
+        if self.mean_dtype is None:
+            return array[:kept]
+        mean = array[:kept].astype(np.float32).sum(0) / max(kept, 1)
+        return mean.astype(arrays.DTYPES[self.mean_dtype])
 
 
 class _EditSlots:
@@ -407,6 +476,21 @@ class _BatchedTake:
                 for future in batch.values():
                     if not future.done():
                         future.set_exception(exc)
+
+
+def _checkpoint(config: EngineConfig) -> tuple[str, Any, str | None]:
+    """(architecture, text config, dtype the weights are stored in) of the checkpoint. vLLM's own
+    `auto` downcasts float32 checkpoints (GPT-2, Pythia) to bfloat16; TransformerLens runs them in
+    float32, and researchers comparing with it expect the same numbers."""
+    from transformers import AutoConfig
+
+    trust = bool(config.engine_kwargs.get("trust_remote_code", False))
+    hf = AutoConfig.from_pretrained(config.model, trust_remote_code=trust)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    stored = getattr(text, "dtype", None) or getattr(hf, "dtype", None)
+    name = str(stored).removeprefix("torch.") if stored is not None else None
+    dtype = name if name in ("float32", "float16", "bfloat16") else None
+    return (hf.architectures or ["unknown"])[0], text, dtype
 
 
 def _spill_parent() -> str | None:

@@ -8,13 +8,14 @@ numpy on the positions of the step's rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from replicas import arrays
-from replicas.api import GenerateRequest, Positions
+from replicas.api import CaptureSpec, GenerateRequest, Positions
 from replicas.errors import InvalidRequestError
 from replicas.hooks import HookPoint, resolve_hook
 
@@ -47,6 +48,9 @@ def selected_spans(
     rows of EXPLICIT mode come out as garbage for the caller to replace."""
     end = start + count
     lo = np.where(mode == 2, np.maximum(start, prompt_len), np.where(mode == 3, np.maximum(start, prompt_len - 1), start))
+    # a chunk of the prompt that ends before the generated rows begin selects none of them: its
+    # span stays inside the chunk (the step loop indexes rows with it)
+    lo = np.minimum(lo, end)
     hi = np.where((mode == 1) | (mode == 3), np.minimum(end, prompt_len), end)
     return lo - start, np.maximum(hi, lo) - start
 
@@ -119,6 +123,17 @@ def captured_positions(spec: Positions, prompt_len: int, n_rows: int) -> list[in
     return list(range(first, first + n_rows))
 
 
+def reduced_on_replica(capture: CaptureSpec, prompt_len: int) -> bool:
+    """A mean over rows that may include generated tokens is taken by the replica, not the worker:
+    the engine core can run steps past the tokens the caller gets back (a stop string is matched
+    in vLLM's front end after the core ran on), and only the replica knows where to cut."""
+    if capture.reduce != "mean":
+        return False
+    if isinstance(capture.positions, str):
+        return capture.positions in ("all", "generated")
+    return any(index >= prompt_len for index in capture.positions)
+
+
 def check_positions(field_name: str, spec: Positions, prompt_len: int, max_tokens: int) -> None:
     if isinstance(spec, str):
         return
@@ -150,17 +165,24 @@ def build_wire_plan(
     edit_stages: int,
     max_capture_bytes: int,
     steer_layers: set[int] | None = None,
+    absent_kinds: Mapping[str, str] | None = None,
 ) -> WirePlan | None:
     """Validate everything that depends on the model and the prompt; None when nothing is asked."""
     capture, logits = request.capture, request.logits
     if capture is None and logits is None and not request.interventions:
         return None
     plan: WirePlan = {"key": key, "prompt_len": prompt_len}
+    absent = absent_kinds or {}
     if capture is not None:
-        points = [_armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds) for i, name in enumerate(capture.hooks)]
+        points = [
+            _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent) for i, name in enumerate(capture.hooks)
+        ]
         check_positions("capture.positions", capture.positions, prompt_len, request.max_tokens)
-        rows = 1 if capture.reduce == "mean" else count_positions(capture.positions, prompt_len, request.max_tokens)
-        itemsize = 4 if capture.dtype == "float32" else 2
+        # rows the worker keeps: all of them when the replica takes the mean
+        worker_reduces = capture.reduce == "mean" and not reduced_on_replica(capture, prompt_len)
+        dtype = "float32" if capture.reduce == "mean" else capture.dtype
+        rows = 1 if worker_reduces else count_positions(capture.positions, prompt_len, request.max_tokens)
+        itemsize = 4 if dtype == "float32" else 2
         size = rows * d_model * itemsize * len(points)
         if size > max_capture_bytes:
             raise PlanError(
@@ -172,8 +194,8 @@ def build_wire_plan(
             "sites": [[p.layer, p.kind, name] for p, name in zip(points, capture.hooks)],
             "max_rows": count_positions(capture.positions, prompt_len, request.max_tokens),
             "positions": capture.positions,
-            "reduce": capture.reduce,
-            "dtype": capture.dtype,
+            "reduce": "mean" if worker_reduces else "none",
+            "dtype": capture.dtype if worker_reduces else dtype,
         }
     if logits is not None:
         check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
@@ -181,15 +203,20 @@ def build_wire_plan(
             "positions": logits.positions,
             "max_rows": count_positions(logits.positions, prompt_len, request.max_tokens),
         }
-    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages)
+    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent)
     return plan
 
 
-def _armed_point(field_name: str, name: str, n_layers: int, armed_kinds: set[str], option: str = "armed_kinds") -> HookPoint:
+def _armed_point(
+    field_name: str, name: str, n_layers: int, armed_kinds: set[str], option: str = "armed_kinds",
+    absent: Mapping[str, str] | None = None,
+) -> HookPoint:
     try:
         point = resolve_hook(name, n_layers)
     except ValueError as exc:
         raise PlanError(f"{field_name}: {exc}") from None
+    if absent and point.kind in absent:
+        raise PlanError(f"{field_name}: hook {name!r} does not exist in this model: {absent[point.kind]}")
     if point.kind != "ln_final" and point.kind not in armed_kinds:
         raise PlanError(
             f"{field_name}: hook {name!r} is of kind {point.kind!r}, which this deployment has not "
@@ -206,12 +233,13 @@ def _wire_edits(
     steer_kinds: set[str],
     steer_layers: set[int] | None,
     edit_stages: int,
+    absent: Mapping[str, str],
 ) -> list[dict[str, Any]]:
     edits: list[dict[str, Any]] = []
     stages: dict[HookPoint, int] = {}
     for i, edit in enumerate(request.interventions):
         where = f"interventions[{i}]"
-        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds")
+        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent)
         if steer_layers is not None and point.layer not in steer_layers:
             raise PlanError(
                 f"{where}.hook: layer {point.layer} of {edit.hook!r} does not accept interventions in this "
@@ -330,7 +358,7 @@ class RequestPlan:
 def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
     vector = None if wire["vector"] is None else arrays.from_raw(wire["vector"]).astype(np.float32)
     if wire["op"] == "project_out" and vector is not None:
-        vector = vector / np.linalg.norm(vector)
+        vector = arrays.unit(vector)
     return EditPlan(
         site=(wire["layer"], wire["kind"]),
         stage=int(wire["stage"]),

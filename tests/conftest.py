@@ -10,6 +10,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -74,34 +75,46 @@ def loop() -> Iterator[LoopThread]:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(model_root: Path) -> dict[str, str]:
     from replicas.tiny import make_tiny_model
 
-    root = tmp_path_factory.mktemp("models")
-    return {arch: make_tiny_model(arch, root / arch, seed=1) for arch in ARCHS}
+    return {arch: make_tiny_model(arch, model_root / arch, seed=1) for arch in ARCHS}
+
+
+def engine_config(path: str, **overrides: Any) -> Any:
+    """The test engines' settings: small enough that several share this machine (or one GPU)."""
+    from replicas.engine import EngineConfig
+
+    settings: dict[str, Any] = dict(
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=64,
+        max_capture_bytes=2 << 20,
+        edit_stages=2,
+        kv_cache_memory_bytes=256 << 20,
+        gpu_memory_utilization=0.2,  # four engines share one GPU on the GPU host
+    )
+    return EngineConfig(model=path, **(settings | overrides))
+
+
+async def start_engine(path: str, name: str, **overrides: Any) -> Any:
+    from replicas.engine import CaptureEngine
+
+    return await CaptureEngine.start(engine_config(path, **overrides), name=name)
 
 
 @pytest.fixture(scope="session")
 def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str, Any]]:
     """One real engine per tiny architecture, started concurrently."""
-    from replicas.engine import CaptureEngine, EngineConfig
 
     async def start_all() -> list[Any]:
-        configs = [
-            EngineConfig(
-                model=tiny_models[arch],
-                dtype="float32",
-                max_model_len=512,
-                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                max_num_seqs=64,
-                max_capture_bytes=2 << 20,
-                edit_stages=2,
-                kv_cache_memory_bytes=256 << 20,
-                gpu_memory_utilization=0.25,  # three engines share one GPU on the GPU host
-            )
-            for arch in ARCHS
-        ]
-        return await asyncio.gather(*(CaptureEngine.start(c, name=f"engine-{a}") for c, a in zip(configs, ARCHS)))
+        return await asyncio.gather(*(start_engine(tiny_models[arch], name=f"engine-{arch}") for arch in ARCHS))
 
     started = dict(zip(ARCHS, loop.run(start_all())))
     yield started

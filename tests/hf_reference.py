@@ -1,29 +1,36 @@
-"""HuggingFace transformers fp32 reference for captures and interventions (a test helper).
+"""HuggingFace transformers reference for captures and interventions (a test helper).
 
 DESIGN.md makes HF transformers on the same weights the correctness oracle: every capture the
-server returns, and every intervened logit, must match what this module computes to ~1e-4. The
-values come from forward hooks on HF's own modules, so the definitions are the HF computation:
+server returns, and every intervened logit, must match what this module computes to ~1e-4 (fp32,
+the default; `dtype` gives an fp16/bf16 reference for reduced-precision engines). The values come
+from forward hooks on HF's own modules, so the definitions are the HF computation, per block shape
+as TransformerLens defines them (module tables in tests/hf_shapes.py):
 
   resid_pre[i]  = input of decoder block i
-  attn_out[i]   = attention sublayer output (after o_proj / c_proj), before the residual add
-  resid_mid[i]  = resid_pre[i] + attn_out[i]          (input of the second norm)
-  mlp_out[i]    = MLP output, before the residual add
+  attn_out[i]   = what attention adds to the residual stream: the sublayer output before the add,
+                  after post_attention_layernorm in post-norm ("sandwich") blocks
+  resid_mid[i]  = resid_pre[i] + attn_out[i] = the residual the MLP branch reads
+                  (absent in parallel blocks, whose MLP reads resid_pre)
+  mlp_out[i]    = what the MLP adds to the residual stream (likewise after its post-norm)
   resid_post[i] = block output = resid_mid[i] + mlp_out[i]
+                  (parallel: resid_pre[i] + attn_out[i] + mlp_out[i])
   ln_final      = final norm output *including* its weight (HF's last hidden state)
 
 Edits replace the value at a site with `fn(value)`; captures taken in the same pass see the edited
 values, as the server's would. resid_mid has no module of its own, so an edit there adds
-`fn(mid) - mid` to the attention output, which makes the residual after attention `fn(mid)`.
-Each `fn` gets and returns a [seq, d_model] tensor for the whole sequence; in `hf_greedy` that is
-prompt + tokens so far, re-run every step, so position-independent edits (add a vector, zero a
-direction) compare directly with a server that edits only the new token during decode.
+`fn(mid) - mid` to the attention output, which makes the residual after attention `fn(mid)`;
+editing it on a parallel model raises. Each `fn` gets and returns a [seq, d_model] tensor (in the
+model's dtype) for the whole sequence; in `hf_greedy` that is prompt + tokens so far, re-run every
+step, so position-independent edits (add a vector, zero a direction) compare directly with a
+server that edits only the new token during decode.
 
-Run `python tests/hf_reference.py` for a self-check against plain HF outputs.
+Run `python tests/hf_reference.py [arch ...]` for a self-check against plain HF outputs.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -31,37 +38,46 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-LAYER_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+if __name__ == "__main__":  # run as a script: make `tests` and `replicas` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.hf_shapes import LAYER_KINDS, PARALLEL, SANDWICH, layout  # noqa: E402
+
+__all__ = ["LAYER_KINDS", "hf_activations", "hf_greedy", "hf_logits", "layer_kinds", "load_model"]
+
 Key = tuple[Union[int, None], str]
 EditFn = Callable[[torch.Tensor], torch.Tensor]
 GlobalEditFn = Callable[[Union[int, None], str, torch.Tensor], Any]
 # (layer, kind, fn) edits one site; a bare fn(layer, kind, value) -> new value | None (= unchanged)
 # is offered every site, for edits that depend on where they are.
 EditSpec = Union[tuple[Union[int, None], str, EditFn], GlobalEditFn]
+DType = Union[torch.dtype, str]
+
+
+def _dtype(dtype: DType) -> torch.dtype:
+    """torch.float16 or "float16" (vLLM's spelling) alike."""
+    resolved = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"not a floating dtype: {dtype!r}")
+    return resolved
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str) -> torch.nn.Module:
+def _load(path: str, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return model.eval()
 
 
-def load_model(path: str | Path) -> torch.nn.Module:
-    """The cached fp32 HF model for `path` (eager attention, eval mode)."""
-    return _load(str(Path(path).expanduser().resolve()))
+def load_model(path: str | Path, dtype: DType = torch.float32) -> torch.nn.Module:
+    """The cached HF model for (`path`, `dtype`) (eager attention, eval mode)."""
+    return _load(str(Path(path).expanduser().resolve()), _dtype(dtype))
 
 
-def _sites(model: torch.nn.Module) -> tuple[list[torch.nn.Module], str, str, torch.nn.Module]:
-    """(blocks, attention attr, mlp attr, final norm) for the supported architectures."""
-    if hasattr(model, "model") and hasattr(model.model, "layers"):  # llama, qwen2, mistral, ...
-        return list(model.model.layers), "self_attn", "mlp", model.model.norm
-    if hasattr(model, "transformer") and hasattr(model.transformer, "h"):  # gpt2
-        return list(model.transformer.h), "attn", "mlp", model.transformer.ln_f
-    raise TypeError(f"unsupported model class {type(model).__name__}")
+def layer_kinds(path: str | Path) -> tuple[str, ...]:
+    """The per-layer kinds the model at `path` has (no resid_mid for parallel blocks)."""
+    return layout(load_model(path)).block.kinds
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -76,7 +92,8 @@ class _Run:
     """Installs capture/edit hooks for one forward pass; `values` fills in as the model runs."""
 
     def __init__(self, model: torch.nn.Module, edits: Sequence[EditSpec] | None, capture: bool):
-        self.blocks, attn_attr, mlp_attr, final_norm = _sites(model)
+        lay = layout(model)
+        self.blocks, self.kinds = lay.blocks, lay.block.kinds
         self.capture = capture
         self.values: dict[Key, torch.Tensor] = {}
         self.site_edits: dict[Key, list[EditFn]] = {}
@@ -91,23 +108,26 @@ class _Run:
             else:
                 raise TypeError(f"edit must be (layer, kind, fn) or a callable, got {spec!r}")
         self.resid_pre: dict[int, torch.Tensor] = {}  # edited block inputs, for resid_mid
+        attn = self._attn_parallel if lay.block.shape == PARALLEL else self._attn
         self.handles: list[Any] = []
         for i, block in enumerate(self.blocks):
             at = functools.partial
             self.handles += [
                 block.register_forward_pre_hook(at(self._pre, i), with_kwargs=True),
-                getattr(block, attn_attr).register_forward_hook(at(self._attn, i)),
-                getattr(block, mlp_attr).register_forward_hook(at(self._mlp, i)),
+                getattr(block, lay.block.attn_out).register_forward_hook(at(attn, i)),
+                getattr(block, lay.block.mlp_out).register_forward_hook(at(self._mlp, i)),
                 block.register_forward_hook(at(self._post, i)),
             ]
-        self.handles.append(final_norm.register_forward_hook(self._final))
+        self.handles.append(lay.final_norm.register_forward_hook(self._final))
 
     def _check_site(self, layer: int | None, kind: str) -> None:
         if kind == "ln_final" and layer is None:
             return
         n = len(self.blocks)
-        if kind not in LAYER_KINDS or not isinstance(layer, int) or not 0 <= layer < n:
-            raise ValueError(f"no site ({layer!r}, {kind!r}); layers 0..{len(self.blocks) - 1}")
+        if kind not in self.kinds or not isinstance(layer, int) or not 0 <= layer < n:
+            raise ValueError(
+                f"no site ({layer!r}, {kind!r}); layers 0..{n - 1}, kinds {self.kinds}"
+            )
 
     def _apply(self, layer: int | None, kind: str, value: torch.Tensor) -> torch.Tensor:
         """Run the edits for one site on a [1, seq, d] tensor; record the result if capturing."""
@@ -137,6 +157,9 @@ class _Run:
         new_mid = self._apply(i, "resid_mid", mid)
         return _replace_first(output, attn + (new_mid - mid))
 
+    def _attn_parallel(self, i: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        return _replace_first(output, self._apply(i, "attn_out", _first(output)))
+
     def _mlp(self, i: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         return _replace_first(output, self._apply(i, "mlp_out", _first(output)))
 
@@ -152,9 +175,13 @@ class _Run:
 
 
 def _forward(
-    path: str | Path, token_ids: Sequence[int], edits: Sequence[EditSpec] | None, capture: bool
+    path: str | Path,
+    token_ids: Sequence[int],
+    edits: Sequence[EditSpec] | None,
+    capture: bool,
+    dtype: DType,
 ) -> tuple[torch.Tensor, dict[Key, torch.Tensor]]:
-    model = load_model(path)
+    model = load_model(path, dtype)
     if len(token_ids) == 0:
         raise ValueError("token_ids is empty")
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
@@ -168,19 +195,28 @@ def _forward(
 
 
 def hf_activations(
-    path: str | Path, token_ids: Sequence[int], edits: Sequence[EditSpec] | None = None
+    path: str | Path,
+    token_ids: Sequence[int],
+    edits: Sequence[EditSpec] | None = None,
+    dtype: DType = torch.float32,
 ) -> dict[Key, np.ndarray]:
-    """{(layer, kind): [seq, d_model] float32}: five kinds per layer, plus (None, "ln_final")."""
-    _, values = _forward(path, token_ids, edits, capture=True)
-    return {key: value.numpy().astype(np.float32) for key, value in values.items()}
+    """{(layer, kind): [seq, d_model] float32} for `layer_kinds(path)`, plus (None, "ln_final").
+
+    With a reduced `dtype` the values are computed in it and only widened on return.
+    """
+    _, values = _forward(path, token_ids, edits, True, dtype)
+    return {key: value.float().numpy() for key, value in values.items()}
 
 
 def hf_logits(
-    path: str | Path, token_ids: Sequence[int], edits: Sequence[EditSpec] | None = None
+    path: str | Path,
+    token_ids: Sequence[int],
+    edits: Sequence[EditSpec] | None = None,
+    dtype: DType = torch.float32,
 ) -> np.ndarray:
-    """[seq, vocab] float32 logits with the edits applied."""
-    logits, _ = _forward(path, token_ids, edits, capture=False)
-    return logits.numpy().astype(np.float32)
+    """[seq, vocab] float32 logits with the edits applied (after any final softcapping)."""
+    logits, _ = _forward(path, token_ids, edits, False, dtype)
+    return logits.numpy()
 
 
 def hf_greedy(
@@ -189,6 +225,7 @@ def hf_greedy(
     max_new_tokens: int,
     edits: Sequence[EditSpec] | None = None,
     stop_token_ids: Iterable[int] = (),
+    dtype: DType = torch.float32,
 ) -> list[int]:
     """Greedy continuation (new tokens only), edits applied to the whole sequence at every step.
 
@@ -198,7 +235,7 @@ def hf_greedy(
     stops = set(stop_token_ids)
     seq, new = list(token_ids), []
     for _ in range(max_new_tokens):
-        logits, _ = _forward(path, seq, edits, capture=False)
+        logits, _ = _forward(path, seq, edits, False, dtype)
         token = int(torch.argmax(logits[-1]).item())
         seq.append(token)
         new.append(token)
@@ -212,66 +249,107 @@ def _close(a: Any, b: Any, what: str, tol: float = 1e-5) -> None:
     assert err <= tol, f"{what}: max abs err {err}"
 
 
+def _inputs_of(modules: Sequence[torch.nn.Module], path: str, ids: list[int]) -> list[np.ndarray]:
+    """The first input each module sees in one plain forward pass, seen by hooks of our own."""
+    seen: dict[int, np.ndarray] = {}
+
+    def record(i: int, module: torch.nn.Module, args: tuple) -> None:
+        seen.setdefault(i, args[0][0].numpy().copy())
+
+    at = functools.partial
+    hooks = [m.register_forward_pre_hook(at(record, i)) for i, m in enumerate(modules)]
+    try:
+        hf_logits(path, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [seen[i] for i in range(len(modules))]
+
+
 def _self_check(path: str) -> None:
     """Hooks must not perturb HF, and captured values must agree with HF's own outputs."""
     model = load_model(path)
-    blocks, _, _, norm = _sites(model)
-    n = len(blocks)
-    ids = list(range(5, 40, 3))
+    lay = layout(model)
+    blocks, shape, kinds, n = lay.blocks, lay.block.shape, lay.block.kinds, len(lay.blocks)
+    # ~40 tokens, so Gemma's 16-token sliding windows are crossed by the prompt itself.
+    ids = [5 + (7 * k) % 400 for k in range(41)]
     with torch.inference_mode():
         ref = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     logits = ref.logits[0].numpy()
     hidden = [h[0].numpy() for h in ref.hidden_states]
     acts = hf_activations(path, ids)
     ln_final = acts[(None, "ln_final")]
+    assert {k for (i, k) in acts if i is not None} == set(kinds), sorted(acts)
+    assert layer_kinds(path) == kinds
 
     _close(hf_logits(path, ids), logits, "logits vs model(...).logits", 0)
     _close(ln_final, hidden[-1], "ln_final vs last hidden state", 0)
     with torch.inference_mode():
-        normed = norm(torch.from_numpy(acts[(n - 1, "resid_post")])).numpy()
-        lm_logits = model.get_output_embeddings()(torch.from_numpy(ln_final)).numpy()
+        normed = lay.final_norm(torch.from_numpy(acts[(n - 1, "resid_post")])).numpy()
+        lm_logits = model.get_output_embeddings()(torch.from_numpy(ln_final))
+        cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2
+        lm_logits = (torch.tanh(lm_logits / cap) * cap if cap else lm_logits).numpy()
     _close(normed, ln_final, "norm(resid_post[last]) vs ln_final")
     _close(lm_logits, logits, "lm_head(ln_final) vs logits")
     for i in range(n):
-        pre, mid, post = (acts[(i, k)] for k in ("resid_pre", "resid_mid", "resid_post"))
+        pre, post = acts[(i, "resid_pre")], acts[(i, "resid_post")]
+        attn, mlp = acts[(i, "attn_out")], acts[(i, "mlp_out")]
         _close(pre, hidden[i], f"resid_pre[{i}] vs hidden_states[{i}]", 0)
-        _close(mid, pre + acts[(i, "attn_out")], f"resid_mid[{i}]")
-        _close(post, mid + acts[(i, "mlp_out")], f"resid_post[{i}]")
+        if shape == PARALLEL:
+            _close(post, pre + attn + mlp, f"resid_post[{i}] = pre + attn + mlp")
+        else:
+            _close(acts[(i, "resid_mid")], pre + attn, f"resid_mid[{i}]")
+            _close(post, acts[(i, "resid_mid")] + mlp, f"resid_post[{i}]")
         if i + 1 < n:
             _close(post, acts[(i + 1, "resid_pre")], f"resid_post[{i}] vs resid_pre[{i + 1}]", 0)
 
-    # resid_mid really is the second norm's input (seen by an independent hook).
-    seen: dict[int, np.ndarray] = {}
-    ln2 = [b.ln_2 if hasattr(b, "ln_2") else b.post_attention_layernorm for b in blocks]
-    hooks = [
-        m.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0][0].numpy().copy()))
-        for i, m in enumerate(ln2)
-    ]
-    try:
-        hf_logits(path, ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    # The MLP branch really reads resid_mid (resid_pre when parallel), seen by independent hooks:
+    # this pins attn_out to what is added to the stream, post-norm included for sandwich blocks.
+    branch = "resid_pre" if shape == PARALLEL else "resid_mid"
+    reads = _inputs_of([getattr(b, lay.block.mlp_reads) for b in blocks], path, ids)
     for i in range(n):
-        _close(seen[i], acts[(i, "resid_mid")], f"resid_mid[{i}] vs second norm input")
+        _close(reads[i], acts[(i, branch)], f"{branch}[{i}] vs MLP branch input")
+    if shape == SANDWICH:  # and attn_out is the normed attention output, not the raw one
+        raw = _inputs_of([b.post_attention_layernorm for b in blocks], path, ids)
+        assert all(np.abs(r - acts[(i, "attn_out")]).max() > 1e-3 for i, r in enumerate(raw))
 
     # Identity edits change nothing; equivalent edits at equivalent sites agree.
     same = lambda x: x  # noqa: E731
-    ident = [(i, k, same) for i in range(n) for k in LAYER_KINDS] + [(None, "ln_final", same)]
+    ident = [(i, k, same) for i in range(n) for k in kinds] + [(None, "ln_final", same)]
     _close(hf_logits(path, ids, ident), logits, "identity edits", 0)
     v = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     add = lambda x: x + v  # noqa: E731
     edited = hf_logits(path, ids, [(0, "resid_post", add)])
     assert np.abs(edited - logits).max() > 1e-2, "edit had no effect"
     _close(edited, hf_logits(path, ids, [(1, "resid_pre", add)]), "post[0] vs pre[1] edit")
+    # mlp_out is the last thing added to the stream, so adding there is adding to resid_post.
     _close(
-        hf_logits(path, ids, [(1, "resid_mid", add)]),
-        hf_logits(path, ids, [(1, "attn_out", add)]),
-        "additive resid_mid edit vs attn_out edit",
+        hf_logits(path, ids, [(1, "mlp_out", add)]),
+        hf_logits(path, ids, [(1, "resid_post", add)]),
+        "additive mlp_out edit vs resid_post edit",
     )
-    eacts = hf_activations(path, ids, [(1, "resid_mid", add)])
-    _close(eacts[(1, "resid_mid")], acts[(1, "resid_mid")] + v.numpy(), "edited resid_mid")
-    _close(eacts[(1, "resid_pre")], acts[(1, "resid_pre")], "upstream of the edit", 0)
+    if shape == PARALLEL:
+        # Both branches read resid_pre, so an addition to either output lands in the same place.
+        _close(
+            hf_logits(path, ids, [(1, "attn_out", add)]),
+            hf_logits(path, ids, [(1, "mlp_out", add)]),
+            "additive attn_out edit vs mlp_out edit",
+        )
+        try:
+            hf_logits(path, ids, [(1, "resid_mid", add)])
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a resid_mid edit on a parallel model must raise")
+    else:
+        _close(
+            hf_logits(path, ids, [(1, "resid_mid", add)]),
+            hf_logits(path, ids, [(1, "attn_out", add)]),
+            "additive resid_mid edit vs attn_out edit",
+        )
+        eacts = hf_activations(path, ids, [(1, "resid_mid", add)])
+        _close(eacts[(1, "resid_mid")], acts[(1, "resid_mid")] + v.numpy(), "edited resid_mid")
+        _close(eacts[(1, "resid_pre")], acts[(1, "resid_pre")], "upstream of the edit", 0)
     at_site = lambda layer, kind, x: add(x) if (layer, kind) == (0, "resid_post") else None  # noqa
     _close(hf_logits(path, ids, [at_site]), edited, "global-callable edit vs tuple edit", 0)
 
@@ -281,13 +359,14 @@ def _self_check(path: str) -> None:
             torch.tensor([ids]), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0
         )
     assert out == gen[0, len(ids) :].tolist(), (out, gen[0, len(ids) :].tolist())
-    print(f"ok {path}: {n} layers, d_model {hidden[0].shape[-1]}, greedy {out}")
+
+    # A reduced-precision reference is its own model, close to fp32 but not equal to it.
+    half = hf_logits(path, ids, dtype="bfloat16")
+    assert load_model(path, "bfloat16") is not model and 0 < np.abs(half - logits).max() < 0.5
+    print(f"ok {path}: {type(model).__name__}, {shape}, {n} layers, kinds {kinds}, greedy {out}")
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from replicas.tiny import ARCHS, make_tiny_model
 
     for arch in sys.argv[1:] or ARCHS:

@@ -252,3 +252,29 @@ def test_n_completions_capture_follows_the_first(loop, engines):
     for name, rows in result.activations.items():
         assert_close(rows, alone.activations[name], atol=TOL)
     assert loop.run(settled_stats(engine))["arena_bytes_in_use"] == 0
+
+
+def test_a_stop_string_trims_rows_to_the_tokens_returned(loop, engines):
+    """vLLM matches stop strings in its front end, after the engine core has run more steps: rows
+    (and a mean over them, and logits) must stop where the returned tokens do."""
+    engine = engines["llama"]
+    prompt = prompt_ids(12, seed=21)
+    hooks = ["1:resid_post", "3:mlp_out"]
+    base = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = loop.run(engine.generate(base | {"capture": {"hooks": hooks}, "logits": {"positions": "all"}}))
+    texts = [engine.tokenizer.decode(full.token_ids[: k + 1]) for k in range(len(full.token_ids))]
+    # the first token from the 6th on whose text ends in characters not seen before it
+    stop_at = next(k for k in range(5, 20) if texts[k][-2:].strip() and texts[k][-2:] not in texts[k - 1] and texts[k] != texts[k - 1])
+    stop = texts[stop_at][-2:]
+    stopped = loop.run(engine.generate(base | {"stop": [stop], "capture": {"hooks": hooks}, "logits": {"positions": "all"}}))
+    mean = loop.run(engine.generate(base | {"stop": [stop], "capture": {"hooks": hooks, "positions": "generated", "reduce": "mean"}}))
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    fed = len(prompt) + len(stopped.token_ids) - 1
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    assert stopped.positions == list(range(fed)) and stopped.logits_positions == list(range(fed))
+    assert stopped.capture_token_ids == (prompt + stopped.token_ids)[:fed]
+    for name in hooks:
+        assert_close(stopped.activations[name], full.activations[name][:fed], atol=TOL)
+        assert_close(mean.activations[name], full.activations[name][len(prompt) : fed].mean(0), atol=TOL)
+    assert_close(stopped.logits, full.logits[:fed], atol=1e-3)
+    assert mean.positions == list(range(len(prompt), fed))

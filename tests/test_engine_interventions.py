@@ -10,7 +10,7 @@ import torch
 
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS
-from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, assert_close, assert_same
+from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, MAX_NUM_BATCHED_TOKENS, assert_close, assert_same
 from tests.hf_reference import hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
 
@@ -54,7 +54,7 @@ def hf_edit_fn(edit: dict, prompt_len: int):
         rows = torch.as_tensor(selected(h.shape[0]))
         rows = rows[rows < h.shape[0]]
         out = h.clone()
-        part = h[rows]
+        part = h[rows].float()  # as the engine does: in float32, rounded once to the model dtype
         if edit["op"] == "add":
             vector = torch.as_tensor(edit["vector"])
             if edit.get("norm_match"):
@@ -254,3 +254,41 @@ def test_bad_intervention_fails_only_that_request(loop, engines, case):
     bad_result, good_result = loop.run(both())
     assert isinstance(bad_result, InvalidRequestError) and expected in str(bad_result), bad_result
     assert not isinstance(good_result, BaseException) and len(good_result.token_ids) == 8
+
+
+def test_an_edit_the_worker_could_not_install_fails_its_request(loop, engines):
+    """The engine admits edits by the table rows it expects to be free, but only the worker knows
+    whether an edit was installed. An edit-only request whose edit was not must fail, naming the
+    field, instead of running unsteered and returning normally. The plan is altered after the
+    engine validated it (a site the worker lacks), which is how a disagreement would look."""
+    import uuid
+
+    from replicas.api import GenerateRequest
+    from replicas.engine import _Finish
+    from replicas.errors import CaptureFailedError
+
+    engine = engines["llama"]
+    prompt = prompt_ids(6, seed=80)
+    request = GenerateRequest.model_validate({"prompt": prompt, "max_tokens": 3, "interventions": [
+        {"hook": "blocks.1.hook_resid_post", "op": "scale", "factor": 0.5}]})
+    key = uuid.uuid4().hex
+    plan = engine._plan(key, request, prompt)
+    plan["edits"][0]["layer"] = 99
+    with pytest.raises(CaptureFailedError, match="interventions could not be installed"):
+        loop.run(engine._run(key, prompt, engine._sampling_params(request, plan), _Finish(True, None, len(prompt))))
+    good = loop.run(engine.generate({"prompt": prompt, "max_tokens": 3, "interventions": request.model_dump()["interventions"]}))
+    assert len(good.token_ids) == 3
+
+
+@pytest.mark.parametrize("edit", [{"positions": "generated"}, {"phase": "decode"}], ids=["generated", "decode"])
+def test_an_edit_of_generated_rows_on_a_prompt_prefilled_in_chunks(loop, engines, tiny_models, edit):
+    """The prompt's first chunks end before any generated row: the edit's span there is empty and
+    must stay inside the chunk (it once indexed past the step's rows and killed the engine)."""
+    engine, path = engines["llama"], tiny_models["llama"]
+    prompt = prompt_ids(2 * MAX_NUM_BATCHED_TOKENS + 9, seed=81)
+    edits = [{"hook": "blocks.1.hook_resid_post", "op": "add", "vector": direction(12), "scale": 3.0} | edit]
+    result = loop.run(engine.generate({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                       "interventions": edits, "logits": {"positions": "all"}}))
+    reference = hf_edits([edits[0] | {"positions": "generated"}], len(prompt))
+    assert result.token_ids == hf_greedy(path, prompt, 4, edits=reference)
+    assert_close(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from replicas import arrays
-from replicas.api import GenerateRequest, Intervention
+from replicas.api import CaptureSpec, GenerateRequest, Intervention
 from replicas.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
 from replicas.plans import (
     EXPLICIT,
@@ -17,6 +17,7 @@ from replicas.plans import (
     captured_positions,
     concatenated_ranges,
     mode_code,
+    reduced_on_replica,
     selected_offsets,
     selected_spans,
     value_rows,
@@ -74,11 +75,17 @@ def test_requests_accept_dicts_arrays_and_encoded_arrays():
         ({"hook": "0:resid_pre", "op": "add"}, "needs field 'vector'"),
         ({"hook": "0:resid_pre", "op": "scale", "factor": 1.0, "vector": [1.0]}, "does not apply"),
         ({"hook": "0:resid_pre", "op": "add", "vector": [1.0, float("inf")]}, "NaN or infinite"),
-        ({"hook": "0:resid_pre", "op": "project_out", "vector": [0.0, 0.0]}, "non-zero"),
+        ({"hook": "0:resid_pre", "op": "project_out", "vector": [0.0, 0.0]}, "vector: project_out needs a non-zero"),
+        ({"hook": "0:resid_pre", "op": "add", "vector": [0.0, 0.0], "norm_match": True}, "vector: add with norm_match needs a non-zero"),
+        ({"hook": "0:resid_pre", "op": "add", "vector": [1e-30, 0.0], "norm_match": True}, None),  # tiny, not zero: allowed
         ({"hook": "0:resid_pre", "op": "add", "vector": [1.0], "phase": "later"}, "phase"),
     ],
 )
 def test_bad_interventions_name_the_problem(edit, message):
+    if message is None:
+        edit = Intervention.model_validate(edit)
+        assert np.isfinite(arrays.unit(edit.vector)).all() and abs(np.linalg.norm(arrays.unit(edit.vector)) - 1) < 1e-6
+        return
     with pytest.raises(ValidationError, match=message):
         Intervention.model_validate(edit)
 
@@ -104,6 +111,7 @@ def test_vectorized_selection_equals_the_per_chunk_one():
     codes = rng.integers(0, 4, 500)
     start, count, prompt_len = rng.integers(0, 40, 500), rng.integers(1, 20, 500), rng.integers(1, 40, 500)
     a, b = selected_spans(codes, start, count, prompt_len)
+    assert ((0 <= a) & (a <= b) & (b <= count)).all(), "spans index rows of the step: they stay inside the chunk"
     for i in range(500):
         expected = selected_offsets(modes[codes[i]], int(start[i]), int(count[i]), int(prompt_len[i]))
         assert np.arange(a[i], b[i]).tolist() == expected.tolist()
@@ -111,7 +119,8 @@ def test_vectorized_selection_equals_the_per_chunk_one():
 
 
 def test_batch_row_helpers():
-    from replicas.worker import _Columns, _fill_ranges
+    from replicas.edit_table import _fill_ranges
+    from replicas.request_table import _Columns
 
     assert concatenated_ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
     row = np.zeros(8, np.int64)
@@ -149,6 +158,29 @@ def test_plans_reject_what_the_model_or_deployment_cannot_serve():
         plan({"interventions": [{"hook": "1:resid_post", "op": "add", "vector": [1.0, 2.0, 3.0]}]})
     wire = plan({"capture": {"hooks": ["0:resid_post"], "positions": "last_prompt"}})
     assert wire["capture"]["sites"] == [[0, "resid_post", "0:resid_post"]]
+
+
+def test_a_kind_the_block_shape_lacks_is_refused_with_the_reason():
+    from replicas.architectures import absent_kinds
+
+    parallel = dict(armed_kinds={"resid_post", "resid_mid"}, steer_kinds={"resid_mid"}, absent_kinds=absent_kinds("parallel"))
+    with pytest.raises(PlanError, match=r"capture.hooks\[0\]: hook 'blocks.1.ln2.hook_in' does not exist in this model: .*parallel"):
+        plan({"capture": {"hooks": ["blocks.1.ln2.hook_in"]}}, **parallel)
+    with pytest.raises(PlanError, match=r"interventions\[0\].hook: .* does not exist"):
+        plan({"interventions": [{"hook": "0:resid_mid", "op": "scale", "factor": 2.0}]}, **parallel)
+
+
+@pytest.mark.parametrize(
+    "positions, max_tokens, on_replica",
+    [("prompt", 4, False), ("last_prompt", 4, False), ([0, -1], 4, False), ("all", 4, True), ("generated", 4, True), ([2, 11], 4, True)],
+)
+def test_a_mean_over_generated_rows_is_taken_by_the_replica(positions, max_tokens, on_replica):
+    """The engine core may run past a stop string; only the replica knows which rows to average."""
+    spec = {"hooks": ["0:resid_post"], "positions": positions, "reduce": "mean", "dtype": "bfloat16"}
+    assert reduced_on_replica(CaptureSpec.model_validate(spec), prompt_len=10) == on_replica
+    capture = plan({"max_tokens": max_tokens, "capture": spec}, max_capture_bytes=10_000)["capture"]
+    # the worker keeps whole float32 rows when the replica averages them, a float32 sum otherwise
+    assert (capture["reduce"], capture["dtype"]) == (("none", "float32") if on_replica else ("mean", "bfloat16"))
 
 
 def test_array_wire_format_round_trips_every_dtype():

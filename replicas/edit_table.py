@@ -1,0 +1,161 @@
+"""Per-step edit slots: which row of a site's edit table each edited row of the step reads.
+
+A request's edit holds a slot (a row of the site's table, see `replicas.sites`) from admission to
+retirement; requests with the same op share one. Edits at range positions are "vectorized": each
+(site, stage) gets a lane of columns in the request table, so one numpy pass per lane points the
+rows of every request of the step at its slot. The others (explicit positions, `set`) go request by
+request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from replicas.plans import PHASE_MODES, EditPlan, mode_code, selected_spans, value_rows
+from replicas.request_table import RequestTable, _Batch, _Columns, _Entry
+from replicas.sites import Site, table_row
+
+# Per steered site: the slot of every row of the step, per stage ([stages, tokens]).
+Slots = dict[Site, np.ndarray]
+# Per site: the values a `set` edit writes, as (stage, rows, values).
+Sets = dict[Site, list[tuple[int, np.ndarray, np.ndarray]]]
+
+
+def _fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> None:
+    """row[s:e] = v for disjoint ranges, in one pass (a difference array)."""
+    steps = np.zeros(len(row) + 1, np.int64)
+    np.add.at(steps, starts, values)
+    np.add.at(steps, ends, -values)
+    row += np.cumsum(steps[:-1])
+
+
+class EditTable:
+    """Hands out the slots of every steered site and writes each step's row-to-slot map."""
+
+    def __init__(self, sites: dict[tuple[int | None, str], Site], edit_slots: int, device: torch.device):
+        self.sites = sites
+        self.edit_slots = edit_slots
+        self.device = device
+        self._free_slots = {
+            (id(s), stage): list(range(edit_slots, 0, -1)) for s in sites.values() for stage in range(s.edit_stages)
+        }
+        self._slot_users: dict[tuple[int, int, bytes], list[int]] = {}  # table row content -> [slot, requests]
+        self.lanes: dict[tuple[Site, int], str] = {}  # (site, stage) -> prefix of its edit columns
+        self._dirty_rows: dict[Site, int] = {}
+
+    # ------------------------------------------------------------ per request
+
+    def assign(self, entry: _Entry, columns: _Columns) -> None:
+        """Give each of the entry's edits a slot; raises when a site has none left (the caller
+        gives back those it got)."""
+        for edit in entry.plan.edits:
+            self._assign_slot(entry, edit, columns)
+
+    def _assign_slot(self, entry: _Entry, edit: EditPlan, columns: _Columns) -> None:
+        """Point the edit at a table row holding its op; requests with the same op (one steering
+        vector across an eval) share the row, so most admissions write nothing to the device."""
+        site = self.sites[edit.site]
+        row = table_row(edit, site.d_model)
+        content = (id(site), edit.stage, row.tobytes())
+        shared = self._slot_users.get(content)
+        if shared is None:
+            free = self._free_slots[(id(site), edit.stage)]
+            if not free:
+                raise RuntimeError(f"all {self.edit_slots} edit slots of {site.point.canonical_name} are in use")
+            shared = self._slot_users[content] = [free.pop(), 0]
+            # non_blocking: a blocking copy would wait for the step in flight on the GPU
+            site.table[edit.stage, shared[0]].copy_(torch.from_numpy(row), non_blocking=True)
+        shared[1] += 1
+        edit.slot = shared[0]
+        entry.slots.append(content)
+        if not edit.vectorized:
+            columns["fallback"][entry.handle] = 1
+            return
+        lane = self.lanes.get((site, edit.stage))
+        if lane is None:
+            lane = self.lanes[(site, edit.stage)] = f"lane{len(self.lanes)}."
+            for name in ("slot", "positions", "phase"):
+                columns.add(lane + name)
+        columns[lane + "slot"][entry.handle] = edit.slot
+        columns[lane + "positions"][entry.handle] = mode_code(edit.positions)
+        columns[lane + "phase"][entry.handle] = mode_code(PHASE_MODES[edit.phase])
+
+    def free_slots_of(self, entry: _Entry) -> None:
+        """Give back the entry's table rows; a row no request uses returns to the free list (it is
+        rewritten when next handed out, and no row of a step points at it meanwhile)."""
+        for content in entry.slots:
+            shared = self._slot_users[content]
+            shared[1] -= 1
+            if shared[1] == 0:
+                del self._slot_users[content]
+                self._free_slots[content[:2]].append(shared[0])
+        entry.slots.clear()
+
+    # ------------------------------------------------------------ per step
+
+    def prepare(self, batch: _Batch, requests: RequestTable) -> Slots:
+        """Point the rows each request of the step edits at its slots, on the device; returns the
+        sites edited in this step."""
+        slots, sets = self._edit_slots(batch, requests) if requests.requests else ({}, {})
+        if slots or self._dirty_rows:
+            self._write_edit_rows(slots, sets, batch.step.num_tokens)
+        return slots
+
+    def _edit_slots(self, batch: _Batch, requests: RequestTable) -> tuple[Slots, Sets]:
+        """Per steered site, the slot of every row of the step and stage ([stages, tokens]); and
+        the `set` values to write (stage, rows, values)."""
+        step, columns = batch.step, requests.columns
+        first, counts, start = batch.first_rows, batch.counts, step.start_positions
+        prompt_len = columns["prompt_len"][batch.rows]
+        slots: Slots = {}
+        for (site, stage), lane in self.lanes.items():
+            slot = columns[lane + "slot"][batch.rows]
+            k = np.flatnonzero(slot)
+            if not len(k):
+                continue
+            rows = batch.rows[k]
+            args = (start[k], counts[k], prompt_len[k])
+            a, b = selected_spans(columns[lane + "positions"][rows], *args)
+            phase_a, phase_b = selected_spans(columns[lane + "phase"][rows], *args)
+            a = np.maximum(a, phase_a)
+            b = np.maximum(np.minimum(b, phase_b), a)
+            table = slots.setdefault(site, np.zeros((site.edit_stages, step.num_tokens), np.int64))
+            _fill_ranges(table[stage], first[k] + a, first[k] + b, slot[k])
+        sets: Sets = {}
+        for k in np.flatnonzero(columns["fallback"][batch.rows]).tolist():
+            entry = requests.entry_at[int(batch.rows[k])]
+            lo, start_k, count = step.chunk(k)
+            for edit in entry.plan.edits:
+                if edit.vectorized:
+                    continue
+                offsets = edit.offsets(start_k, count, entry.plan.prompt_len)
+                if not len(offsets):
+                    continue
+                site = self.sites[edit.site]
+                table = slots.setdefault(site, np.zeros((site.edit_stages, step.num_tokens), np.int64))
+                table[edit.stage, lo + offsets] = edit.slot
+                if edit.op == "set":
+                    values = edit.values[value_rows(edit.positions, start_k + offsets, entry.plan.prompt_len, len(edit.values))]
+                    sets.setdefault(site, []).append((edit.stage, lo + offsets, values))
+        return slots, sets
+
+    def _write_edit_rows(self, slots: Slots, sets: Sets, num_tokens: int) -> None:
+        """Copy each steered site's row slots to the device; reset the rows the previous step
+        pointed at for sites no longer steered."""
+        for site in set(self._dirty_rows) | set(slots):
+            previous = self._dirty_rows.pop(site, 0)
+            if site not in slots:
+                site.slot[:, :previous] = 0
+                site.set_stage[:previous] = -1
+                continue
+            width = max(previous, num_tokens)
+            slot = np.zeros((site.edit_stages, width), dtype=np.int64)
+            slot[:, :num_tokens] = slots[site]
+            set_stage = np.full(width, -1, dtype=np.int64)
+            for stage, rows, values in sets.get(site, ()):
+                set_stage[rows] = stage
+                site.values[torch.from_numpy(rows)] = torch.from_numpy(values).to(self.device, site.values.dtype)
+            site.slot[:, :width].copy_(torch.from_numpy(slot), non_blocking=True)
+            site.set_stage[:width].copy_(torch.from_numpy(set_stage), non_blocking=True)
+            self._dirty_rows[site] = num_tokens

@@ -1,0 +1,120 @@
+"""The architecture matrix: every supported architecture's hooks and edits equal HuggingFace fp32.
+
+One engine per architecture, started when its tests begin and shut down after them (the three
+of conftest's `engines` are reused). Per architecture: every kind its blocks have at every layer
+on prompt and generated rows; every intervention op at every kind, all in one batch beside a
+request that edits nothing; edits of the residual stream reaching the next layer bit for bit.
+Which architectures run where is README.md's support table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from replicas.architectures import layer_kinds
+from replicas.hooks import FINAL_NORM_HOOK
+from replicas.tiny import ARCHS as ALL_ARCHS
+from replicas.tiny import make_tiny_model
+from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, assert_close, start_engine
+from tests.hf_reference import hf_activations, hf_greedy, hf_logits
+from tests.test_engine_capture import prompt_ids
+from tests.test_engine_interventions import direction, hf_edits
+
+pytestmark = pytest.mark.engine
+PROMPT_LEN = 40  # past the tiny Gemmas' sliding window of 16
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module", params=ALL_ARCHS)
+def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root) -> tuple[str, object, str, tuple[str, ...]]:
+    """(arch, engine, model path, the kinds its blocks have)."""
+    name = request.param
+    if name in ARCHS:
+        engine = request.getfixturevalue("engines")[name]
+        yield name, engine, tiny_models[name], layer_kinds(engine.shape)
+        return
+    path = make_tiny_model(name, model_root / name, seed=1)
+    engine = loop.run(start_engine(path, name=f"engine-{name}"))
+    try:
+        yield name, engine, path, layer_kinds(engine.shape)
+    finally:
+        loop.run(engine.shutdown())
+
+
+def test_every_hook_and_the_logits_match_hf_on_prompt_and_generated_rows(loop, arch):
+    name, engine, path, kinds = arch
+    info = loop.run(engine.info())
+    assert set(info.armed_kinds) == set(kinds)
+    hooks = [f"blocks.{i}.hook_{kind}" for i in range(info.n_layers) for kind in kinds] + [FINAL_NORM_HOOK]
+    prompt = prompt_ids(PROMPT_LEN, seed=3)
+    result = loop.run(engine.generate({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                                       "capture": {"hooks": hooks}, "logits": {"positions": "all"}}))
+    fed = prompt + result.token_ids[:-1]
+    assert result.positions == list(range(len(fed)))
+    assert result.token_ids == hf_greedy(path, prompt, MAX_TOKENS), name
+    reference = hf_activations(path, fed)
+    for i in range(info.n_layers):
+        for kind in kinds:
+            got = result.activations[f"blocks.{i}.hook_{kind}"]
+            assert_close(got, reference[(i, kind)], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL, err_msg=f"{name} layer {i} {kind}")
+    assert_close(result.activations[FINAL_NORM_HOOK], reference[(None, "ln_final")], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL)
+    assert_close(result.logits, hf_logits(path, fed), atol=LOGIT_TOL, rtol=0, err_msg=name)
+
+
+def edit_of(op: str, hook: str) -> dict:
+    if op == "add":
+        return {"hook": hook, "op": "add", "vector": direction(1), "scale": 2.0}
+    if op == "add_norm_matched":
+        return {"hook": hook, "op": "add", "vector": direction(2), "scale": 0.5, "norm_match": True}
+    if op == "scale":
+        return {"hook": hook, "op": "scale", "factor": 0.0 if hook.endswith(("attn_out", "mlp_out")) else 0.5}
+    if op == "set":
+        values = np.random.default_rng(2).standard_normal((3, 128)).astype(np.float32)
+        return {"hook": hook, "op": "set", "values": values, "positions": [1, 3, -1]}
+    return {"hook": hook, "op": "project_out", "vector": direction(3), "positions": "generated"}
+
+
+OPS = ("add", "add_norm_matched", "scale", "set", "project_out")
+
+
+def test_every_op_at_every_kind_matches_hf_in_one_batch_with_an_unedited_request(loop, arch):
+    name, engine, path, kinds = arch
+    prompt = prompt_ids(12, seed=21)
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+    edits = [edit_of(op, f"blocks.{k % 4}.hook_{kind}") for k, (op, kind) in enumerate((op, kind) for op in OPS for kind in kinds)]
+    plain = base | {"capture": {"hooks": [f"blocks.2.hook_{kind}" for kind in kinds]}}
+
+    async def together():
+        return await asyncio.gather(engine.generate(plain), *(engine.generate(base | {"interventions": [e]}) for e in edits))
+
+    unedited, *results = loop.run(together())
+    reference = hf_activations(path, prompt + unedited.token_ids[:-1])
+    for kind in kinds:
+        assert_close(unedited.activations[f"blocks.2.hook_{kind}"], reference[(2, kind)], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL)
+    for edit, result in zip(edits, results):
+        reference_edits = hf_edits([edit], len(prompt))
+        where = f"{name} {edit['op']} {edit['hook']}"
+        assert result.token_ids == hf_greedy(path, prompt, 4, edits=reference_edits), where
+        expected = hf_logits(path, prompt + result.token_ids[:-1], edits=reference_edits)
+        assert_close(result.logits, expected, atol=LOGIT_TOL, rtol=0, err_msg=where)
+
+
+def test_residual_edits_reach_the_next_layer_bit_for_bit(loop, arch):
+    """An edit at resid_post[i] is exactly what layer i+1 reads: zero-ablating the stream leaves
+    0, not the rounding residue of `mlp_out + (edited - value) + residual`."""
+    name, engine, path, _ = arch
+    edits = [{"hook": "blocks.1.hook_resid_post", "op": "scale", "factor": 0.0},
+             {"hook": "blocks.2.hook_resid_post", "op": "add", "vector": direction(4), "scale": 3.0}]
+    hooks = ["blocks.1.hook_resid_post", "blocks.2.hook_resid_pre", "blocks.2.hook_resid_post", "blocks.3.hook_resid_pre"]
+    prompt = prompt_ids(9, seed=23)
+    result = loop.run(engine.generate({"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                       "capture": {"hooks": hooks}, "interventions": edits, "logits": {"positions": "all"}}))
+    assert not result.activations["blocks.2.hook_resid_pre"].any(), name
+    np.testing.assert_array_equal(result.activations["blocks.1.hook_resid_post"], result.activations["blocks.2.hook_resid_pre"])
+    np.testing.assert_array_equal(result.activations["blocks.2.hook_resid_post"], result.activations["blocks.3.hook_resid_pre"])
+    reference_edits = hf_edits(edits, len(prompt))
+    assert result.token_ids == hf_greedy(path, prompt, 3, edits=reference_edits), name
+    assert_close(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference_edits), atol=LOGIT_TOL, rtol=0)

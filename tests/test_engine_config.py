@@ -1,0 +1,81 @@
+"""What an engine refuses or decides before vLLM starts: architectures, locked settings, the vLLM
+release, the dtype. No engine runs here; refusals must come before one would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from replicas import _vllm
+from replicas.architectures import ARCHITECTURES, UnsupportedArchitectureError, block_shape, layer_kinds
+from replicas.engine import CaptureEngine, EngineConfig, _checkpoint
+
+
+def test_an_undeclared_architecture_is_refused_at_start_with_the_supported_list(tmp_path: Path):
+    """A real checkpoint vLLM would load (BLOOM), whose block shape capserve has not declared."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=64, n_layer=2, n_head=1)).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError) as refused:
+        asyncio.run(CaptureEngine.start(EngineConfig(model=str(tmp_path))))
+    message = str(refused.value)
+    assert "'BloomForCausalLM' is not supported" in message
+    assert all(name in message for name in ARCHITECTURES)
+
+
+def test_block_shapes_and_their_kinds():
+    assert block_shape("Gemma2ForCausalLM") == "sandwich"
+    assert block_shape("GPTNeoXForCausalLM", type("C", (), {"use_parallel_residual": True})()) == "parallel"
+    assert block_shape("GPTNeoXForCausalLM", type("C", (), {"use_parallel_residual": False})()) == "pre_norm"
+    assert "resid_mid" not in layer_kinds("parallel")
+    assert layer_kinds("sandwich") == layer_kinds("pre_norm") and len(layer_kinds("pre_norm")) == 5
+
+
+def test_the_default_kinds_follow_the_shape_and_a_missing_one_asked_by_name_is_refused():
+    config = EngineConfig(model="m")
+    assert "resid_mid" not in config.for_checkpoint("parallel", None).armed_kinds
+    assert config.for_checkpoint("sandwich", None).armed_kinds == list(layer_kinds("sandwich"))
+    with pytest.raises(ValueError, match="armed_kinds: 'resid_mid' does not exist in this model: .*parallel"):
+        EngineConfig(model="m", armed_kinds=["resid_mid", "resid_post"]).for_checkpoint("parallel", None)
+    with pytest.raises(ValueError, match="steer_kinds: 'resid_mid'"):
+        EngineConfig(model="m", steer_kinds=["resid_mid"]).for_checkpoint("parallel", None)
+
+
+@pytest.mark.parametrize("key, value", [("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+                                        ("kv_transfer_config", {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+                                        ("enable_prefix_caching", True)])
+def test_settings_that_add_or_skip_rows_are_locked(key, value):
+    from deploy.config import AppArgs
+
+    with pytest.raises(ValueError, match=f"engine_kwargs.{key} cannot be set: .*speculative decoding or KV transfer"):
+        EngineConfig(model="m", engine_kwargs={key: value}).engine_args()
+    with pytest.raises(ValueError, match=f"engine.{key} cannot be set"):
+        AppArgs.model_validate({"engine": {key: value}})
+
+
+def test_dtype_auto_runs_the_checkpoint_in_its_own_dtype(tmp_path: Path):
+    """vLLM's own auto would run a float32 checkpoint (GPT-2, Pythia) in bfloat16."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=64, n_layer=1, n_head=1)).save_pretrained(tmp_path)
+    architecture, _, dtype = _checkpoint(EngineConfig(model=str(tmp_path)))
+    assert (architecture, dtype) == ("GPT2LMHeadModel", "float32")
+    assert EngineConfig(model="m").for_checkpoint("pre_norm", "float32").dtype == "float32"
+    assert EngineConfig(model="m", dtype="bfloat16").for_checkpoint("pre_norm", "float32").dtype == "bfloat16"
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _checkpoint(EngineConfig(model=str(tmp_path)))[2] is None  # none stored: vLLM decides
+
+
+def test_an_unverified_vllm_release_is_refused_unless_allowed(monkeypatch: pytest.MonkeyPatch):
+    import vllm
+
+    assert _vllm.check_version(False) == vllm.__version__  # the installed one is verified
+    monkeypatch.setattr(vllm, "__version__", "0.99.1")
+    with pytest.raises(RuntimeError, match=r"vLLM 0.99.1 .* not a release .* allow_unverified_vllm: true"):
+        _vllm.check_version(False)
+    assert _vllm.check_version(True) == "0.99.1"
