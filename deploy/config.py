@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from replicas.engine import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
+from replicas.engine_config import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
 from replicas.replica import TINY_PREFIX, is_tiny
 
 API_KEY_ENV = "CAPSERVE_API_KEY"

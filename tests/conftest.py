@@ -103,9 +103,13 @@ def engine_config(path: str, **overrides: Any) -> Any:
     return EngineConfig(model=path, **(settings | overrides))
 
 
-async def start_engine(path: str, name: str, **overrides: Any) -> Any:
+async def start_engine(path: str, name: str, quick_compile: bool = False, **overrides: Any) -> Any:
+    """quick_compile: on the GPU host, CUDA graphs over Dynamo's graph without Inductor, whose
+    build makes a tiny engine take minutes to start; the CPU engines run eagerly anyway."""
     from replicas.engine import CaptureEngine
 
+    if quick_compile and ON_GPU:
+        overrides["engine_kwargs"] = {"compilation_config": {"backend": "eager"}}
     return await CaptureEngine.start(engine_config(path, **overrides), name=name)
 
 

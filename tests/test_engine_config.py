@@ -11,7 +11,8 @@ import pytest
 
 from replicas import _vllm
 from replicas.architectures import ARCHITECTURES, UnsupportedArchitectureError, block_shape, layer_kinds
-from replicas.engine import CaptureEngine, EngineConfig, _checkpoint
+from replicas.engine import CaptureEngine, EngineConfig
+from replicas.engine_config import checkpoint_facts
 
 
 def test_an_undeclared_architecture_is_refused_at_start_with_the_supported_list(tmp_path: Path):
@@ -61,14 +62,14 @@ def test_dtype_auto_runs_the_checkpoint_in_its_own_dtype(tmp_path: Path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=64, n_layer=1, n_head=1)).save_pretrained(tmp_path)
-    architecture, _, dtype = _checkpoint(EngineConfig(model=str(tmp_path)))
+    architecture, _, dtype = checkpoint_facts(EngineConfig(model=str(tmp_path)))
     assert (architecture, dtype) == ("GPT2LMHeadModel", "float32")
     assert EngineConfig(model="m").for_checkpoint("pre_norm", "float32").dtype == "float32"
     assert EngineConfig(model="m", dtype="bfloat16").for_checkpoint("pre_norm", "float32").dtype == "bfloat16"
     config = json.loads((tmp_path / "config.json").read_text())
     config.pop("dtype", None), config.pop("torch_dtype", None)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert _checkpoint(EngineConfig(model=str(tmp_path)))[2] is None  # none stored: vLLM decides
+    assert checkpoint_facts(EngineConfig(model=str(tmp_path)))[2] is None  # none stored: vLLM decides
 
 
 def test_an_unverified_vllm_release_is_refused_unless_allowed(monkeypatch: pytest.MonkeyPatch):

@@ -46,7 +46,7 @@ def loud_model(root: Path) -> str:
 @pytest.fixture(scope="module", params=["float16", "bfloat16"])
 def half_engine(request: pytest.FixtureRequest, loop, model_root):
     path = loud_model(model_root)
-    engine = loop.run(start_engine(path, name=f"engine-{request.param}", dtype=request.param))
+    engine = loop.run(start_engine(path, name=f"engine-{request.param}", quick_compile=True, dtype=request.param))
     yield request.param, engine, path
     loop.run(engine.shutdown())
 

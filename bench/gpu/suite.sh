@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # The GPU suite (not CI): on the GPU host, after ../shared/gpu/install.sh unpacked vLLM 0.26 into
-# /tmp/site, run the engine and intervention tests (CUDA graphs on, the GPU default) and write a
-# JUnit report. Usage: bash bench/gpu/suite.sh [OUTDIR] [pytest args...]
+# /tmp/site, run the engine, intervention and architecture tests (CUDA graphs on, the GPU default)
+# and write a JUnit report. Two parts, each inside one device call (10 minutes):
+#   bash bench/gpu/suite.sh OUTDIR archs   # the architecture matrix beyond Llama/Qwen2/GPT-2, fp16/bf16
+#   bash bench/gpu/suite.sh OUTDIR core    # everything else, the three archs' matrix rows included
+# Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:-bench/results}; shift || true
+out=${1:-bench/results}; part=${2:-core}; shift 2 || true
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 # Engines started after a test touched CUDA in this process must not be forked from it.
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m pytest tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_engine_compiled.py tests/test_schemas.py tests/test_arena.py \
-  -q -p no:cacheprovider --junitxml="$out/gpu_suite.xml" "$@" 2>&1 | tee "$out/gpu_suite.log" | grep -v -E "^\(|INFO|WARNING"
+if [ "$part" = archs ]; then
+  tests=(tests/test_architectures.py tests/test_engine_precision.py -k "not llama and not qwen2 and not gpt2")
+else
+  tests=(tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_engine_compiled.py tests/test_schemas.py
+         tests/test_arena.py tests/test_engine_config.py tests/test_architectures.py -k "not test_architectures or llama or qwen2 or gpt2")
+fi
+python3 -m pytest "${tests[@]}" -q -p no:cacheprovider --junitxml="$out/gpu_suite_$part.xml" "$@" 2>&1 \
+  | tee "$out/gpu_suite_$part.log" | grep -v -E "^\(|INFO|WARNING"

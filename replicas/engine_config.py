@@ -1,0 +1,156 @@
+"""`EngineConfig`: one replica's engine settings, the settings capserve locks, and what the
+checkpoint decides (its architecture's block shape, and for dtype auto its own dtype)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replicas.architectures import BlockShape, absent_kinds, layer_kinds
+from replicas.hooks import LAYER_KINDS, LayerKind
+
+LOCKED_SETTINGS: dict[str, Any] = {
+    "tensor_parallel_size": 1,  # one replica = one GPU; the worker bookkeeping assumes one rank
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "enable_prefix_caching": False,  # cached prefixes skip the forward, so their rows are never seen
+    "speculative_config": None,  # draft tokens would run through the hooks: captured and edited
+    "kv_transfer_config": None,  # prefill computed elsewhere never runs through this replica's hooks
+    "worker_cls": "replicas.worker.CaptureWorker",
+    "worker_extension_cls": "",
+    "additional_config": None,  # carries capserve's worker options
+}
+
+
+LOCKED_REASON = (
+    "one GPU per replica; every token runs through the hooks exactly once, so no prefix caching, "
+    "speculative decoding or KV transfer; capserve's own worker"
+)
+
+
+class EngineConfig(BaseModel):
+    """Settings of one replica's engine. `engine_kwargs` passes any other vLLM `AsyncEngineArgs`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF model folder or name.")
+    tokenizer: str | None = None
+    dtype: str = Field(
+        "auto", description="Model dtype: float32, bfloat16, float16, or auto: the checkpoint's own (logged at start)."
+    )
+    max_model_len: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size; CPU default 1 GiB.")
+    enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA graphs on GPU.")
+    load_format: str = "auto"
+    seed: int = 0
+    armed_kinds: list[LayerKind] | None = Field(
+        None,
+        description="Hook kinds capturable on every layer (default: every kind the architecture's blocks have); "
+        "each costs one row copy per step inside the graph.",
+    )
+    steer_kinds: list[LayerKind] | None = Field(
+        None,
+        description="Armed kinds that accept interventions (default: all armed); each costs one edit pass per step.",
+    )
+    steer_layers: list[int] | None = Field(
+        None,
+        description="Layers whose steer_kinds accept interventions (default: every layer); a deployment that "
+        "steers at known layers pays the edit pass only there.",
+    )
+    edit_stages: int = Field(1, ge=0, le=8, description="Edits one request may stack at one hook; each costs a pass over the rows of every armed site.")
+    edit_slots: int = Field(
+        64, ge=1, description="Distinct interventions (op and vector) per hook running at once; requests with the same one share it."
+    )
+    max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
+    allow_unverified_vllm: bool = Field(
+        False, description="Run on a vLLM release capserve's internals were not verified on (replicas/_vllm.py)."
+    )
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def for_checkpoint(self, shape: BlockShape, checkpoint_dtype: str | None) -> "EngineConfig":
+        """This config with what the checkpoint decides filled in: the kinds its blocks have
+        (a kind they lack, asked for by name, is an error) and, for dtype auto, its own dtype."""
+        kinds, absent = layer_kinds(shape), absent_kinds(shape)
+        for name in ("armed_kinds", "steer_kinds"):
+            lacking = [k for k in getattr(self, name) or () if k in absent]
+            if lacking:
+                raise ValueError(f"{name}: {lacking[0]!r} does not exist in this model: {absent[lacking[0]]}")
+        update: dict[str, Any] = {"armed_kinds": list(self.armed_kinds or kinds)}
+        if self.dtype == "auto" and checkpoint_dtype is not None:
+            update["dtype"] = checkpoint_dtype
+        return self.model_copy(update=update)
+
+    def engine_args(self, spill_dir: str | None = None, shape: BlockShape = "pre_norm") -> dict[str, Any]:
+        for key in LOCKED_SETTINGS:
+            if key in self.engine_kwargs:
+                raise ValueError(
+                    f"engine_kwargs.{key} cannot be set: capserve locks {key}={LOCKED_SETTINGS[key]!r} "
+                    f"({LOCKED_REASON})"
+                )
+        from replicas import _vllm
+
+        on_cpu = _vllm.is_cpu_platform()
+        eager = self.enforce_eager if self.enforce_eager is not None else on_cpu
+        args: dict[str, Any] = {
+            "model": self.model,
+            "tokenizer": self.tokenizer,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "enforce_eager": eager,
+            "load_format": self.load_format,
+            **{k: v for k, v in self._optional().items() if v is not None},
+            **self.engine_kwargs,
+            **LOCKED_SETTINGS,
+        }
+        if on_cpu and self.kv_cache_memory_bytes is None:
+            args["kv_cache_memory_bytes"] = 1 << 30
+        args["additional_config"] = {
+            "capserve": {
+                "block_shape": shape,
+                "armed_kinds": list(self.armed_kinds or LAYER_KINDS),
+                "steer_kinds": self.steerable_kinds(),
+                "steer_layers": self.steer_layers,
+                "edit_stages": self.edit_stages,
+                "edit_slots": self.edit_slots,
+                "eager": eager,
+                "spill_dir": spill_dir,
+            }
+        }
+        return args
+
+    def steerable_kinds(self) -> list[str]:
+        armed = self.armed_kinds or LAYER_KINDS
+        if self.steer_kinds is None:
+            return list(armed)
+        unarmed = set(self.steer_kinds) - set(armed)
+        if unarmed:
+            raise ValueError(f"steer_kinds {sorted(unarmed)} are not in armed_kinds {list(armed)}")
+        return list(self.steer_kinds)
+
+    def _optional(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+        }
+
+
+def checkpoint_facts(config: EngineConfig) -> tuple[str, Any, str | None]:
+    """(architecture, text config, dtype the weights are stored in) of the checkpoint. vLLM's own
+    `auto` downcasts float32 checkpoints (GPT-2, Pythia) to bfloat16; TransformerLens runs them in
+    float32, and researchers comparing with it expect the same numbers."""
+    from transformers import AutoConfig
+
+    trust = bool(config.engine_kwargs.get("trust_remote_code", False))
+    hf = AutoConfig.from_pretrained(config.model, trust_remote_code=trust)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    stored = getattr(text, "dtype", None) or getattr(hf, "dtype", None)
+    name = str(stored).removeprefix("torch.") if stored is not None else None
+    dtype = name if name in ("float32", "float16", "bfloat16") else None
+    return (hf.architectures or ["unknown"])[0], text, dtype
