@@ -12,7 +12,7 @@ the MLP, so one set of hooks serves every shape:
 - attn_out, mlp_out: those modules' outputs;
 - resid_mid = resid_pre + attn_out (sequential shapes only; a parallel block has none);
 - resid_post: the layer's output (mlp_out + residual where fused).
-An edited residual stream is handed to the next norm whole, as (edited, 0), so the next layer
+An edited residual stream is handed to the next norm whole, as (0, edited), so the next layer
 reads exactly the edited value; `hidden + (edited - value)` would be off by rounding, which the
 next RMSNorm blows up when the edit zeroes the stream. vLLM's Transformers backend runs HF's own
 layers on [1, tokens, d]: sites see [tokens, d] either way.
@@ -114,6 +114,13 @@ def _with_first(output: Any, value: torch.Tensor) -> Any:
     return (value, *output[1:]) if isinstance(output, tuple) else value
 
 
+def _handed_over(edited: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, residual) that a fused add-and-norm turns into exactly `edited`. The edited
+    stream goes in as the residual: the GPU kernel writes its output over `hidden` in place, and
+    `edited` is still read afterwards (resid_mid is computed from it)."""
+    return torch.zeros_like(edited), edited
+
+
 def _layer_pre_hook(layout: _vllm.ModelLayout, sites: Sites, i: int) -> Hook:
     pre, mid = sites.get((i, "resid_pre")), sites.get((i, "resid_mid"))
 
@@ -128,7 +135,7 @@ def _layer_pre_hook(layout: _vllm.ModelLayout, sites: Sites, i: int) -> Hook:
             return None
         if residual is None:
             return _vllm.replace_layer_inputs(layout, args, kwargs, edited, None)
-        return _vllm.replace_layer_inputs(layout, args, kwargs, edited, torch.zeros_like(residual))
+        return _vllm.replace_layer_inputs(layout, args, kwargs, *_handed_over(edited))
 
     return hook
 
@@ -168,7 +175,7 @@ def _layer_post_hook(layout: _vllm.ModelLayout, sites: Sites, i: int) -> Hook:
         if layout.fused_residual:
             mlp_out, residual = output
             edited = _run(site, mlp_out + residual)
-            return (edited, torch.zeros_like(residual)) if site.edit_stages else output
+            return _handed_over(edited) if site.edit_stages else output
         return _with_first(output, _run(site, _first(output)))
 
     return hook

@@ -38,8 +38,11 @@ def started_together(request: pytest.FixtureRequest, loop, model_root) -> dict[s
         yield {}
         return
     paths = [make_tiny_model(name, model_root / name, seed=1) for name in names]
-    starts = [start_engine(path, name=f"engine-{name}", quick_compile=True) for name, path in zip(names, paths)]
-    started = dict(zip(names, loop.run(asyncio.gather(*starts))))
+
+    async def start_all() -> list[object]:
+        return await asyncio.gather(*(start_engine(p, name=f"engine-{n}", quick_compile=True) for n, p in zip(names, paths)))
+
+    started = dict(zip(names, loop.run(start_all())))
     yield started
     for engine in started.values():
         loop.run(engine.shutdown())
