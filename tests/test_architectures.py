@@ -1,7 +1,8 @@
 """The architecture matrix: every supported architecture's hooks and edits equal HuggingFace fp32.
 
 One engine per architecture, started when its tests begin and shut down after them (the three
-of conftest's `engines` are reused). Per architecture: every kind its blocks have at every layer
+of conftest's `engines` are reused). Engines share a GPU one at a time: several starting at once
+on one GPU upset each other's memory profiling. Per architecture: every kind its blocks have at every layer
 on prompt and generated rows; every intervention op at every kind, all in one batch beside a
 request that edits nothing; edits of the residual stream reaching the next layer bit for bit.
 Which architectures run where is README.md's support table.
@@ -18,7 +19,7 @@ from replicas.architectures import layer_kinds
 from replicas.hooks import FINAL_NORM_HOOK
 from replicas.tiny import ARCHS as ALL_ARCHS
 from replicas.tiny import make_tiny_model
-from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, ON_GPU, assert_close, start_engine
+from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, assert_close, start_engine
 from tests.hf_reference import hf_activations, hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
 from tests.test_engine_interventions import direction, hf_edits
@@ -28,28 +29,8 @@ PROMPT_LEN = 40  # past the tiny Gemmas' sliding window of 16
 MAX_TOKENS = 5
 
 
-@pytest.fixture(scope="module")
-def started_together(request: pytest.FixtureRequest, loop, model_root) -> dict[str, object]:
-    """On the GPU host (16 cores) the selected engines beyond conftest's three start at once; on
-    this 2-core machine each starts when its tests begin and stops after them."""
-    selected = {item.callspec.params.get("arch") for item in request.session.items if hasattr(item, "callspec")}
-    names = [name for name in ALL_ARCHS if name in selected and name not in ARCHS]
-    if not ON_GPU or not names:
-        yield {}
-        return
-    paths = [make_tiny_model(name, model_root / name, seed=1) for name in names]
-
-    async def start_all() -> list[object]:
-        return await asyncio.gather(*(start_engine(p, name=f"engine-{n}", quick_compile=True) for n, p in zip(names, paths)))
-
-    started = dict(zip(names, loop.run(start_all())))
-    yield started
-    for engine in started.values():
-        loop.run(engine.shutdown())
-
-
 @pytest.fixture(scope="module", params=ALL_ARCHS)
-def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root, started_together) -> tuple[str, object, str, tuple[str, ...]]:
+def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root) -> tuple[str, object, str, tuple[str, ...]]:
     """(arch, engine, model path, the kinds its blocks have)."""
     name = request.param
     if name in ARCHS:
@@ -57,10 +38,7 @@ def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root, started_
         yield name, engine, tiny_models[name], layer_kinds(engine.shape)
         return
     path = make_tiny_model(name, model_root / name, seed=1)
-    if name in started_together:
-        yield name, started_together[name], path, layer_kinds(started_together[name].shape)
-        return
-    engine = loop.run(start_engine(path, name=f"engine-{name}"))
+    engine = loop.run(start_engine(path, name=f"engine-{name}", quick_compile=True))
     try:
         yield name, engine, path, layer_kinds(engine.shape)
     finally:
