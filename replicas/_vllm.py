@@ -81,6 +81,7 @@ class ModelLayout:
     mlp_out: list[nn.Module]  # the same for the MLP
     final_norm: nn.Module
     fused_residual: bool  # layers take and return (hidden, residual); the add is fused into norms
+    layer_params: tuple[str, ...]  # the layer forward's parameter names, to find its inputs by name
     d_model: int
     vocab_size: int
 
@@ -125,6 +126,7 @@ def model_layout(runner: Any, shape: str) -> ModelLayout:
         mlp_out=mlp_out,
         final_norm=final_norm,
         fused_residual="residual" in inspect.signature(layers[0].forward).parameters,
+        layer_params=tuple(inspect.signature(layers[0].forward).parameters),
         d_model=int(text_config.hidden_size),
         vocab_size=int(runner.model_config.get_vocab_size()),
     )
@@ -139,25 +141,20 @@ def _child(module: nn.Module, names: tuple[str, ...], function: str, what: str) 
 
 
 def layer_inputs(layout: ModelLayout, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(hidden_states, residual) a decoder layer was called with."""
-    if layout.fused_residual:
-        names = ("positions", "hidden_states", "residual")
-        values = dict(zip(names, args)) | kwargs
-        return values["hidden_states"], values.get("residual")
-    return (args[0] if args else kwargs["hidden_states"]), None
+    """(hidden_states, residual) a decoder layer was called with. By name: vLLM's layers take
+    positions first (GPT-NeoX: `(position_ids, hidden_states)`), HF's take hidden_states first."""
+    values = dict(zip(layout.layer_params, args)) | kwargs
+    return values["hidden_states"], values.get("residual")
 
 
 def replace_layer_inputs(
     layout: ModelLayout, args: tuple, kwargs: dict, hidden: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[tuple, dict]:
+    values = dict(zip(layout.layer_params, args)) | kwargs
+    values["hidden_states"] = hidden
     if layout.fused_residual:
-        names = ("positions", "hidden_states", "residual")
-        values = dict(zip(names, args)) | kwargs
-        values["hidden_states"], values["residual"] = hidden, residual
-        return (), values
-    if args:
-        return (hidden, *args[1:]), kwargs
-    return args, kwargs | {"hidden_states": hidden}
+        values["residual"] = residual
+    return (), values
 
 
 def compute_logits(runner: Any, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
