@@ -115,10 +115,12 @@ async def start_engine(path: str, name: str, quick_compile: bool = False, **over
 
 @pytest.fixture(scope="session")
 def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str, Any]]:
-    """One real engine per tiny architecture, started concurrently."""
+    """One real engine per tiny architecture, started concurrently. GPT-2's runs dtype auto, which
+    must keep its float32 checkpoint in float32 (vLLM's own auto would run it in bfloat16)."""
 
     async def start_all() -> list[Any]:
-        return await asyncio.gather(*(start_engine(tiny_models[arch], name=f"engine-{arch}") for arch in ARCHS))
+        dtypes = {arch: "auto" if arch == "gpt2" else "float32" for arch in ARCHS}
+        return await asyncio.gather(*(start_engine(tiny_models[a], name=f"engine-{a}", dtype=dtypes[a]) for a in ARCHS))
 
     started = dict(zip(ARCHS, loop.run(start_all())))
     yield started

@@ -1,8 +1,8 @@
 """The architecture matrix: every supported architecture's hooks and edits equal HuggingFace fp32.
 
 One engine per architecture, started when its tests begin and shut down after them (the three
-of conftest's `engines` are reused). Engines share a GPU one at a time: several starting at once
-on one GPU upset each other's memory profiling. Per architecture: every kind its blocks have at every layer
+of conftest's `engines` are reused). On the GPU host too they start one at a time: eight
+starting together there did not come up within a 10-minute call (2026-11-30). Per architecture: every kind its blocks have at every layer
 on prompt and generated rows; every intervention op at every kind, all in one batch beside a
 request that edits nothing; edits of the residual stream reaching the next layer bit for bit.
 Which architectures run where is README.md's support table.

@@ -278,3 +278,9 @@ def test_a_stop_string_trims_rows_to_the_tokens_returned(loop, engines):
         assert_close(mean.activations[name], full.activations[name][len(prompt) : fed].mean(0), atol=TOL)
     assert_close(stopped.logits, full.logits[:fed], atol=1e-3)
     assert mean.positions == list(range(len(prompt), fed))
+
+
+def test_dtype_auto_keeps_a_float32_checkpoint_in_float32(loop, engines):
+    """The GPT-2 engine runs dtype auto (conftest): its captures above equal HF fp32 only if so."""
+    assert engines["gpt2"].config.dtype == "float32"
+    assert loop.run(engines["gpt2"].info()).dtype == "float32"

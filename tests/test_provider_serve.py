@@ -171,6 +171,27 @@ def test_eval_samples_spread_over_both_replicas_and_logged_activations_equal_dir
     assert len(served) == 2, served  # both replicas answered samples
 
 
+def test_stop_seqs_trim_logged_rows_to_the_tokens_returned(cluster, plain_eval):
+    """inspect's stop_seqs become vLLM stop strings, matched after the engine core ran on: every
+    logged row belongs to a token that was fed through the model and returned."""
+    from provider import activation_info, read_activations
+
+    completions = [s.output.completion for s in plain_eval.samples]
+    # two characters from inside the completions, so generation stops mid-way in several samples
+    pairs = Counter(c[k : k + 2] for c in completions for k in range(3, len(c) - 3) if c[k : k + 2].strip() == c[k : k + 2])
+    stop = next(pair for pair, _ in pairs.most_common() if "," not in pair)
+    log, _ = cluster.inspect_eval("--stop-seqs", stop, "-M", f"capture={HOOK}", "-M", "positions=all")
+    stopped = [s for s in log.samples if s.output.stop_reason == "stop" and s.output.usage.output_tokens < MAX_TOKENS]
+    assert len(stopped) >= 2, f"stop sequence {stop!r} ended only {len(stopped)} samples early"
+    for sample in log.samples:
+        assert stop not in sample.output.completion
+        usage = sample.output.usage
+        fed = usage.input_tokens + usage.output_tokens - 1  # the last returned token is never fed
+        info = activation_info(log.location, sample.id)
+        assert info["activation_positions"] == list(range(fed)), (sample.id, stop)
+        assert read_activations(log.location, sample.id)[HOOK].shape == (fed, 128)
+
+
 def test_steering_through_extra_body_changes_outputs_exactly_as_direct_generate(cluster, plain_eval):
     vector = np.random.default_rng(7).standard_normal(128).astype(np.float32)
     steer = {"hook": HOOK, "op": "add", "vector": [float(v) for v in vector], "scale": 4.0, "norm_match": True}
