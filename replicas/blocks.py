@@ -91,7 +91,7 @@ def _install_hooks(layout: _vllm.ModelLayout, armed_kinds: list[str], sites: Sit
             layer.add_module(f"capserve_{kind}", sites[(i, kind)])
         layer.register_forward_pre_hook(_layer_pre_hook(layout, sites, i), with_kwargs=True)
         layer.register_forward_hook(_layer_post_hook(layout, sites, i))
-        layout.attn_out[i].register_forward_hook(_attention_hook(layout, sites, i))
+        layout.attn_out[i].register_forward_hook(_attn_out_hook(layout, sites, i))
         layout.mlp_out[i].register_forward_hook(_sublayer_hook(sites.get((i, "mlp_out"))))
     layout.final_norm.add_module("capserve_ln_final", sites[(None, "ln_final")])
     layout.final_norm.register_forward_hook(_final_norm_hook(sites[(None, "ln_final")]))
@@ -140,7 +140,7 @@ def _layer_pre_hook(layout: _vllm.ModelLayout, sites: Sites, i: int) -> Hook:
     return hook
 
 
-def _attention_hook(layout: _vllm.ModelLayout, sites: Sites, i: int) -> Hook:
+def _attn_out_hook(layout: _vllm.ModelLayout, sites: Sites, i: int) -> Hook:
     out_site, mid = sites.get((i, "attn_out")), sites.get((i, "resid_mid"))
     layer = layout.layers[i]
 

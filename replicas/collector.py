@@ -17,17 +17,17 @@ import torch
 from replicas import _vllm
 from replicas.outbox import Outbox, StepRows
 from replicas.plans import EXPLICIT, CapturePlan, concatenated_ranges, selected_offsets, selected_spans
-from replicas.request_table import NO_LOGITS, RequestTable, _Batch, _Columns, _Entry
+from replicas.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
 from replicas.sites import Site
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class _Selection:
+class Selection:
     """Rows of a step picked for a set of requests: request i owns rows[offsets[i]:][:counts[i]]."""
 
-    requests: list[_Entry]
+    requests: list[Entry]
     rows: np.ndarray  # rows of the step's flattened batch
     offsets: np.ndarray
     counts: np.ndarray
@@ -63,7 +63,7 @@ class Collector:
             self.group_sites.append(([self.sites[site] for site in signature[0]], capture.dtype, capture.reduce))
         return self.groups[signature]
 
-    def captured_sites(self, batch: _Batch, columns: _Columns) -> set[Site]:
+    def captured_sites(self, batch: Batch, columns: Columns) -> set[Site]:
         """The sites whose staging buffers some request of the step reads."""
         groups = np.unique(columns["group"][batch.rows])
         sites = {site for g in groups.tolist() if g >= 0 for site in self.group_sites[g][0]}
@@ -71,7 +71,7 @@ class Collector:
             sites.add(self.final_norm)
         return sites
 
-    def collect(self, batch: _Batch, requests: RequestTable) -> None:
+    def collect(self, batch: Batch, requests: RequestTable) -> None:
         """Hand over the rows and logits every request of the step asked for."""
         columns = requests.columns
         group = columns["group"][batch.rows]
@@ -99,7 +99,7 @@ class Collector:
                 logits = _vllm.compute_logits(self.runner, normed, self.vocab_size)
                 self._hand_over("logits", logits.unsqueeze(0), selection)
 
-    def _select(self, requests: RequestTable, chunks: list[np.ndarray], modes: np.ndarray, what: str) -> _Selection | None:
+    def _select(self, requests: RequestTable, chunks: list[np.ndarray], modes: np.ndarray, what: str) -> Selection | None:
         """The rows a set of requests selects in this step: position modes for all at once,
         explicit indices request by request."""
         rows, first, start, counts, prompt_len, fresh_from = chunks
@@ -131,9 +131,9 @@ class Collector:
         self.rows_captured += int(counts_all.sum()) if what == "capture" else 0
         offsets = np.cumsum(counts_all) - counts_all
         entries = [requests.entry_at[h] for h in picked.tolist()]
-        return _Selection(entries, np.concatenate(picked_rows), offsets, counts_all, dests)
+        return Selection(entries, np.concatenate(picked_rows), offsets, counts_all, dests)
 
-    def _gather_group(self, group: int, selection: _Selection) -> torch.Tensor:
+    def _gather_group(self, group: int, selection: Selection) -> torch.Tensor:
         """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean."""
         sites, dtype, reduce = self.group_sites[group]
         rows = self._to_device(selection.rows)
@@ -147,7 +147,7 @@ class Collector:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _hand_over(self, kind: str, picked: torch.Tensor, selection: _Selection) -> None:
+    def _hand_over(self, kind: str, picked: torch.Tensor, selection: Selection) -> None:
         """Start the copy to host on a side stream (the next step does not wait for it) into
         pinned memory, and queue it for the outbox thread."""
         event = None

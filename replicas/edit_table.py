@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from replicas.plans import PHASE_MODES, EditPlan, mode_code, selected_spans, value_rows
-from replicas.request_table import RequestTable, _Batch, _Columns, _Entry
+from replicas.request_table import Batch, Columns, Entry, RequestTable
 from replicas.sites import Site, table_row
 
 # Per steered site: the slot of every row of the step, per stage ([stages, tokens]).
@@ -22,7 +22,7 @@ Slots = dict[Site, np.ndarray]
 Sets = dict[Site, list[tuple[int, np.ndarray, np.ndarray]]]
 
 
-def _fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> None:
+def fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> None:
     """row[s:e] = v for disjoint ranges, in one pass (a difference array)."""
     steps = np.zeros(len(row) + 1, np.int64)
     np.add.at(steps, starts, values)
@@ -46,13 +46,13 @@ class EditTable:
 
     # ------------------------------------------------------------ per request
 
-    def assign(self, entry: _Entry, columns: _Columns) -> None:
+    def assign(self, entry: Entry, columns: Columns) -> None:
         """Give each of the entry's edits a slot; raises when a site has none left (the caller
         gives back those it got)."""
         for edit in entry.plan.edits:
             self._assign_slot(entry, edit, columns)
 
-    def _assign_slot(self, entry: _Entry, edit: EditPlan, columns: _Columns) -> None:
+    def _assign_slot(self, entry: Entry, edit: EditPlan, columns: Columns) -> None:
         """Point the edit at a table row holding its op; requests with the same op (one steering
         vector across an eval) share the row, so most admissions write nothing to the device."""
         site = self.sites[edit.site]
@@ -81,7 +81,7 @@ class EditTable:
         columns[lane + "positions"][entry.handle] = mode_code(edit.positions)
         columns[lane + "phase"][entry.handle] = mode_code(PHASE_MODES[edit.phase])
 
-    def free_slots_of(self, entry: _Entry) -> None:
+    def free_slots_of(self, entry: Entry) -> None:
         """Give back the entry's table rows; a row no request uses returns to the free list (it is
         rewritten when next handed out, and no row of a step points at it meanwhile)."""
         for content in entry.slots:
@@ -94,7 +94,7 @@ class EditTable:
 
     # ------------------------------------------------------------ per step
 
-    def prepare(self, batch: _Batch, requests: RequestTable) -> Slots:
+    def prepare(self, batch: Batch, requests: RequestTable) -> Slots:
         """Point the rows each request of the step edits at its slots, on the device; returns the
         sites edited in this step."""
         slots, sets = self._edit_slots(batch, requests) if requests.requests else ({}, {})
@@ -102,7 +102,7 @@ class EditTable:
             self._write_edit_rows(slots, sets, batch.step.num_tokens)
         return slots
 
-    def _edit_slots(self, batch: _Batch, requests: RequestTable) -> tuple[Slots, Sets]:
+    def _edit_slots(self, batch: Batch, requests: RequestTable) -> tuple[Slots, Sets]:
         """Per steered site, the slot of every row of the step and stage ([stages, tokens]); and
         the `set` values to write (stage, rows, values)."""
         step, columns = batch.step, requests.columns
@@ -121,7 +121,7 @@ class EditTable:
             a = np.maximum(a, phase_a)
             b = np.maximum(np.minimum(b, phase_b), a)
             table = slots.setdefault(site, np.zeros((site.edit_stages, step.num_tokens), np.int64))
-            _fill_ranges(table[stage], first[k] + a, first[k] + b, slot[k])
+            fill_ranges(table[stage], first[k] + a, first[k] + b, slot[k])
         sets: Sets = {}
         for k in np.flatnonzero(columns["fallback"][batch.rows]).tolist():
             entry = requests.entry_at[int(batch.rows[k])]

@@ -1,7 +1,7 @@
 """What each running request asked for, in columns the step loop reads for a whole batch at once.
 
-A request gets a handle (a row of `_Columns`) the first step it appears in, and gives it back once
-vLLM has finished it; its `_Entry` stays until the replica takes its result (or is forgotten at
+A request gets a handle (a row of `Columns`) the first step it appears in, and gives it back once
+vLLM has finished it; its `Entry` stays until the replica takes its result (or is forgotten at
 once when it returns nothing). Taken keys are remembered for a while, so a completion of a
 request whose result was taken or cancelled already runs unplanned.
 """
@@ -26,7 +26,7 @@ NO_LOGITS = -9
 
 
 @dataclass
-class _Entry:
+class Entry:
     """What one request asked for, until the replica takes its result."""
 
     plan: RequestPlan
@@ -38,7 +38,7 @@ class _Entry:
     error: str | None = None
 
 
-class _Columns:
+class Columns:
     """Per-request integers the step loop reads for a whole batch with one numpy gather: row h
     belongs to the request with handle h; the last row keeps every column's neutral value and
     stands for requests without a plan."""
@@ -83,8 +83,8 @@ class _Columns:
 
 
 @dataclass
-class _Batch:
-    """The step's layout and, per request, its row in `_Columns`."""
+class Batch:
+    """The step's layout and, per request, its row in `Columns`."""
 
     step: _vllm.StepLayout
     rows: np.ndarray
@@ -102,15 +102,15 @@ class RequestTable:
     """The worker's requests by vLLM id, by handle and by key, and the columns of the running ones."""
 
     def __init__(self) -> None:
-        self.columns = _Columns()
+        self.columns = Columns()
         for name, neutral in (
             ("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0),
             ("rows_taken", 0), ("logits_taken", 0),  # rows handed over so far, where the next ones go
         ):
             self.columns.add(name, neutral)
         self.handle_of: dict[str, int] = {}  # vLLM request id -> handle (or UNPLANNED)
-        self.entry_at: dict[int, _Entry] = {}
-        self.requests: dict[str, _Entry] = {}  # by vLLM request id, until taken
+        self.entry_at: dict[int, Entry] = {}
+        self.requests: dict[str, Entry] = {}  # by vLLM request id, until taken
         self.by_key: dict[str, list[str]] = {}
         self.closed_keys: dict[str, None] = {}  # insertion-ordered set of taken keys
         self.names = itertools.count()
@@ -130,10 +130,10 @@ class RequestTable:
             return None
         return RequestPlan.from_wire(wire)
 
-    def admit(self, req_id: str, plan: RequestPlan, buffers: RequestBuffers | None, group: int) -> _Entry:
+    def admit(self, req_id: str, plan: RequestPlan, buffers: RequestBuffers | None, group: int) -> Entry:
         """Give the request a handle and fill its columns; `group` is its capture group."""
         handle = self.columns.allocate()
-        entry = _Entry(plan, f"{plan.key}-{next(self.names)}", handle, buffers)
+        entry = Entry(plan, f"{plan.key}-{next(self.names)}", handle, buffers)
         self.requests[req_id] = entry
         self.by_key.setdefault(plan.key, []).append(req_id)
         self.handle_of[req_id] = handle
@@ -147,7 +147,7 @@ class RequestTable:
             columns["logits"][handle] = mode_code(plan.logits_positions)
         return entry
 
-    def fail(self, entry: _Entry, error: str) -> None:
+    def fail(self, entry: Entry, error: str) -> None:
         """The request runs on, unsteered and capturing nothing: no row may point at the slots it
         gave back, and its result is the error."""
         entry.error = error
@@ -155,14 +155,14 @@ class RequestTable:
         self.columns["prompt_len"][entry.handle] = entry.plan.prompt_len
         entry.buffers = None
 
-    def finished(self, req_id: str) -> _Entry | None:
+    def finished(self, req_id: str) -> Entry | None:
         """The entry of a request vLLM has finished; an unplanned one is forgotten here (None)."""
         entry = self.requests.get(req_id)
         if entry is None:
             del self.handle_of[req_id]
         return entry
 
-    def retire(self, req_id: str, entry: _Entry) -> bool:
+    def retire(self, req_id: str, entry: Entry) -> bool:
         """The request will run no more steps: record how many rows it got and free its handle.
         False when it was retired already."""
         if entry.finishing:
@@ -175,7 +175,7 @@ class RequestTable:
         self.columns.release(entry.handle)
         return True
 
-    def taken(self, entry: _Entry) -> tuple[int, int]:
+    def taken(self, entry: Entry) -> tuple[int, int]:
         """Rows and logits rows handed over for the entry so far."""
         if entry.finishing:
             return entry.buffers.n_rows, entry.buffers.n_logits
@@ -189,7 +189,7 @@ class RequestTable:
         if not siblings:
             self.by_key.pop(entry.plan.key, None)
 
-    def close(self, key: str) -> list[tuple[str, _Entry]]:
+    def close(self, key: str) -> list[tuple[str, Entry]]:
         """Remove every completion of the key, first completion first; later completions of it
         that vLLM has not started yet will run unplanned."""
         self.closed_keys[key] = None

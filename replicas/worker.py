@@ -35,7 +35,7 @@ from replicas.collector import Collector
 from replicas.edit_table import EditTable
 from replicas.outbox import Outbox, RequestBuffers
 from replicas.plans import PLAN_KEY
-from replicas.request_table import NEW, UNPLANNED, RequestTable, _Batch, _Entry
+from replicas.request_table import NEW, UNPLANNED, Batch, Entry, RequestTable
 
 
 class _CaptureState:
@@ -55,7 +55,7 @@ class _CaptureState:
         self.table = RequestTable()
         self.edits = EditTable(self.sites, site_options.edit_slots, self.device)
         self.collector = Collector(runner, self.sites, self.layout.vocab_size, self.device, self.outbox)
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
         self.steps = 0
         self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0}
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
@@ -85,7 +85,7 @@ class _CaptureState:
         handles = self.table.handles(step.req_ids)
         for k in np.flatnonzero(handles == NEW).tolist():
             handles[k] = self._admit(step.req_ids[k])
-        batch = self._batch = _Batch(step, self.table.columns.rows(handles))
+        batch = self._batch = Batch(step, self.table.columns.rows(handles))
         edited = self.edits.prepare(batch, self.table)
         if self.eager:  # compiled graphs never read these flags; eager mode skips idle sites
             captured = self.collector.captured_sites(batch, self.table.columns)
@@ -112,7 +112,7 @@ class _CaptureState:
             self.table.fail(entry, f"interventions could not be installed: {exc}")
         return entry.handle
 
-    def _retire(self, req_id: str, entry: _Entry) -> None:
+    def _retire(self, req_id: str, entry: Entry) -> None:
         """The request will run no more steps: free its slots and handle, queue its result."""
         if not self.table.retire(req_id, entry):
             return
@@ -156,7 +156,7 @@ class _CaptureState:
         }
 
 
-def _result(entry: _Entry) -> dict[str, Any]:
+def _result(entry: Entry) -> dict[str, Any]:
     if entry.error is not None:
         return {"error": entry.error}
     if entry.buffers is None:  # it only edited, and its edits were installed

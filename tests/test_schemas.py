@@ -119,14 +119,14 @@ def test_vectorized_selection_equals_the_per_chunk_one():
 
 
 def test_batch_row_helpers():
-    from replicas.edit_table import _fill_ranges
-    from replicas.request_table import _Columns
+    from replicas.edit_table import fill_ranges
+    from replicas.request_table import Columns
 
     assert concatenated_ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
     row = np.zeros(8, np.int64)
-    _fill_ranges(row, np.array([1, 4, 6]), np.array([3, 4, 8]), np.array([7, 9, 2]))
+    fill_ranges(row, np.array([1, 4, 6]), np.array([3, 4, 8]), np.array([7, 9, 2]))
     assert row.tolist() == [0, 7, 7, 0, 0, 0, 2, 2]
-    columns = _Columns(capacity=2)
+    columns = Columns(capacity=2)
     columns.add("group", -1)
     handles = [columns.allocate() for _ in range(5)]  # grows twice, keeping what was set
     columns["group"][handles] = [10, 11, 12, 13, 14]
