@@ -178,11 +178,12 @@ def build_wire_plan(
             _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent) for i, name in enumerate(capture.hooks)
         ]
         check_positions("capture.positions", capture.positions, prompt_len, request.max_tokens)
-        # rows the worker keeps: all of them when the replica takes the mean
-        worker_reduces = capture.reduce == "mean" and not reduced_on_replica(capture, prompt_len)
-        dtype = "float32" if capture.reduce == "mean" else capture.dtype
+        # the worker keeps every row, in float32, when the replica takes the mean
+        replica_mean = reduced_on_replica(capture, prompt_len)
+        worker_reduces = capture.reduce == "mean" and not replica_mean
+        wire_dtype = "float32" if replica_mean else capture.dtype
         rows = 1 if worker_reduces else count_positions(capture.positions, prompt_len, request.max_tokens)
-        itemsize = 4 if dtype == "float32" else 2
+        itemsize = 4 if wire_dtype == "float32" else 2
         size = rows * d_model * itemsize * len(points)
         if size > max_capture_bytes:
             raise PlanError(
@@ -195,7 +196,7 @@ def build_wire_plan(
             "max_rows": count_positions(capture.positions, prompt_len, request.max_tokens),
             "positions": capture.positions,
             "reduce": "mean" if worker_reduces else "none",
-            "dtype": capture.dtype if worker_reduces else dtype,
+            "dtype": wire_dtype,
         }
     if logits is not None:
         check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
