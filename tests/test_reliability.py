@@ -325,6 +325,21 @@ def replaced(app: App) -> Callable[[dict[str, Any]], bool]:
     return done
 
 
+def engine_core_pid(app: App, victim: dict[str, Any]) -> int:
+    """The victim's engine-core process, read again until it is listed: a replica that replaced
+    one killed by the previous test has been seen listing no process named EngineCore yet."""
+    found: list[int] = []
+
+    def listed() -> bool:
+        for identity in app.fleet.identities():
+            if identity["replica"] == victim["replica"]:
+                found[:] = [p["pid"] for p in identity["engine_pids"] if "EngineCore" in p["name"]]
+        return len(found) == 1
+
+    wait_until(listed, "the victim's engine-core process", 60, 0.5)
+    return found[0]
+
+
 def wait_busy(app: App, victim: dict[str, Any]) -> None:
     def busy() -> bool:
         loads = app.fleet.replicas.broadcast("load").results(timeout_s=30)
@@ -348,7 +363,7 @@ def test_fault_kill_a_replica_actor_under_load_loses_nothing(app, loop, referenc
 def test_fault_kill_the_engine_process_under_load_loses_nothing(app, loop, reference, figures):
     def inject(fleet: list[dict[str, Any]]) -> dict[str, Any]:
         victim = fleet[0]
-        (core,) = [p["pid"] for p in victim["engine_pids"] if "EngineCore" in p["name"]]
+        core = engine_core_pid(app, victim)
         wait_busy(app, victim)
         kill_pids([core])
         return victim
