@@ -80,10 +80,14 @@ class ModelLayout:
     attn_out: list[nn.Module]  # per layer, the module whose output attention adds to the stream
     mlp_out: list[nn.Module]  # the same for the MLP
     final_norm: nn.Module
-    fused_residual: bool  # layers take and return (hidden, residual); the add is fused into norms
     layer_params: tuple[str, ...]  # the layer forward's parameter names, to find its inputs by name
     d_model: int
     vocab_size: int
+
+    @property
+    def fused_residual(self) -> bool:
+        """Layers take and return (hidden, residual); the residual add is fused into the next norm."""
+        return "residual" in self.layer_params
 
 
 # vLLM's own model classes and HF's (vLLM's Transformers backend runs GPT-NeoX and OLMo 2 on
@@ -125,7 +129,6 @@ def model_layout(runner: Any, shape: str) -> ModelLayout:
         attn_out=attn_out,
         mlp_out=mlp_out,
         final_norm=final_norm,
-        fused_residual="residual" in inspect.signature(layers[0].forward).parameters,
         layer_params=tuple(inspect.signature(layers[0].forward).parameters),
         d_model=int(text_config.hidden_size),
         vocab_size=int(runner.model_config.get_vocab_size()),
