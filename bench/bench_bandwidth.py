@@ -162,7 +162,7 @@ async def via_engine(model: str, args: argparse.Namespace, plan: Plan, requests:
     try:
         boot_s = time.perf_counter() - started
         out = await measure(engine.generate, plan, requests, args.rounds)
-        out["worker"] = await engine.check_health()  # the worker's step-loop timers: where the time went
+        out["worker"] = await engine.stats()  # the worker's step-loop timers: where the time went
         out["boot_s"] = boot_s
         return out
     finally:

@@ -136,9 +136,9 @@ async def capserve(
                 async def submit(prompt: list[int]) -> Any:
                     return await engine.generate(base | {"prompt": prompt})
 
-                before = await engine.check_health()
+                before = await engine.stats()
                 result = await timed(workload, submit)
-                after = await engine.check_health()
+                after = await engine.stats()
                 # worker seconds spent on this case, outside the forward (the profile)
                 result["worker_seconds"] = {k: after["seconds"][k] - before["seconds"].get(k, 0.0) for k in after["seconds"]}
                 out.setdefault(workload.name, {})[f"capserve {label}: {case}"] = result

@@ -15,6 +15,7 @@ and every wait has a timeout.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import Counter
@@ -304,8 +305,38 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float, poll_
         time.sleep(poll_s)
 
 
+def engine_core(identity: dict[str, Any]) -> int:
+    """A replica's engine-core pid (from its identity())."""
+    (core,) = [p["pid"] for p in identity["engine_pids"] if p["role"] == "engine_core"]
+    return core
+
+
+def left_behind(identity: dict[str, Any]) -> list[str]:
+    """What a replica that is gone left running or on disk: engine processes (matched by pid and
+    start time, so a reused pid does not count) and its shared-memory folder."""
+    from replicas.lifeline import Owner
+
+    remains = [
+        f"{p['role']} pid {p['pid']} ({p['name']})"
+        for p in identity["engine_pids"]
+        if Owner(p["pid"], p["started"]).alive()
+    ]
+    spill_dir = identity.get("spill_dir")
+    if spill_dir and os.path.exists(spill_dir):
+        remains.append(f"shared-memory folder {spill_dir}")
+    return remains
+
+
+def wait_engine_gone(identity: dict[str, Any], timeout_s: float = 60) -> float:
+    """Seconds until nothing of the replica's engine is left; AssertionError naming what stayed."""
+    try:
+        return wait_until(lambda: not left_behind(identity), f"replica {identity['replica']}'s engine to end", timeout_s, 0.5)
+    except TimeoutError:
+        raise AssertionError(f"replica {identity['replica']} left behind: {left_behind(identity)}") from None
+
+
 def kill_pids(pids: Iterable[int]) -> None:
-    """SIGKILL processes this run started (a dead replica's orphaned engine processes)."""
+    """SIGKILL processes (fault injection: an engine core)."""
     import os
     import signal
 

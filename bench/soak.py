@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from bench.common import write_result
-from bench.load import Fleet, Mix, Stream, Tally, kill_pids, rss_mib, wait_until
+from bench.load import Fleet, Mix, Stream, Tally, engine_core, kill_pids, rss_mib, wait_engine_gone, wait_until
 
 ARGS = {
     "num_replicas": 2,
@@ -57,7 +57,7 @@ def inject(fleet: Fleet, n: int) -> dict[str, Any]:
     if n % 2 == 0:
         ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
     else:
-        kill_pids(p["pid"] for p in victim["engine_pids"] if "EngineCore" in p["name"])
+        kill_pids([engine_core(victim)])
     return victim
 
 
@@ -97,7 +97,7 @@ async def soak(fleet: Fleet, minutes: float, concurrency: int, max_tokens: int, 
         if time.monotonic() >= next_fault and time.monotonic() < end - 120:
             victim = await asyncio.to_thread(inject, fleet, len(faults))
             seconds = await asyncio.to_thread(wait_until, lambda: recovered(fleet, victim), "recovery", 600)
-            kill_pids(p["pid"] for p in victim["engine_pids"])  # the dead replica's orphaned engine
+            wait_engine_gone(victim)  # its engine processes and shared memory went with it
             faults.append({"fault": "kill_actor" if len(faults) % 2 == 0 else "kill_engine", "recovery_s": round(seconds, 1)})
             print(json.dumps(faults[-1]), flush=True)
             next_fault = time.monotonic() + fault_every * 60

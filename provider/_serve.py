@@ -10,9 +10,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from replicas.error_messages import OWN_ERRORS, remote_cause
 from replicas.errors import (
     BackPressureError,
     CaptureFailedError,
+    DeadlineExceededError,
     InvalidRequestError,
     ReplicaUnavailableError,
 )
@@ -33,7 +35,7 @@ def classify(exc: BaseException) -> RetryAdvice:
     Ray re-raises a remote exception as a `RayTaskError` that is also an instance of the cause's
     type, so capserve's own errors are recognised through Ray as well.
     """
-    if isinstance(exc, (InvalidRequestError, CaptureFailedError)):
+    if isinstance(exc, (InvalidRequestError, CaptureFailedError, DeadlineExceededError)):
         return RetryAdvice("no")
     if isinstance(exc, BackPressureError):
         return RetryAdvice("rate_limit", 1.0)
@@ -59,11 +61,8 @@ def classify(exc: BaseException) -> RetryAdvice:
 
 def unwrap(exc: BaseException) -> BaseException:
     """The remote cause of a `RayTaskError` for capserve's own errors (a clean message), else `exc`."""
-    cause = getattr(exc, "cause", None)
-    own = (InvalidRequestError, CaptureFailedError, BackPressureError, ReplicaUnavailableError)
-    if isinstance(exc, own) and isinstance(cause, own):
-        return cause
-    return exc
+    cause = remote_cause(exc)
+    return cause if isinstance(cause, OWN_ERRORS) else exc
 
 
 class AppConnection:

@@ -233,6 +233,15 @@ def worker_runner(worker: Any) -> Any:
     return worker.model_runner
 
 
+def engine_core_pids(llm: Any) -> list[int]:
+    """The pids of an AsyncLLM's engine-core processes (its workers are their children)."""
+    try:
+        processes = llm.engine_core.resources.engine_manager.processes
+    except AttributeError as exc:
+        raise VllmInternalsError("engine_core_pids", f"no engine-core process list ({exc})") from None
+    return [p.pid for p in processes if p.pid is not None]
+
+
 def capserve_options(vllm_config: Any) -> dict[str, Any]:
     """capserve's worker options ride in `additional_config["capserve"]`."""
     return dict((vllm_config.additional_config or {}).get("capserve", {}))

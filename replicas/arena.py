@@ -9,7 +9,10 @@ numbers, the replica copies its rows out (`ArenaReader`) and hands the numbers b
 `capserve_take`, and the blocks go to the next request. The arena reserves memory a chunk at a
 time when every block is in use (a full /dev/shm fails only the requests that needed the new
 chunk), gives all but one chunk back once it has stood empty for a while, and is deleted with
-the engine.
+the engine. It never grows past its limit (`EngineConfig.arena_max_bytes`, by default a fair
+share of the file system: `arena_limit_bytes`); the replica admits a request only once the
+blocks its capture may need fit beside those of the requests in flight (`ArenaBudget`), and
+hands read blocks back with the batched take RPC (`BatchedTake`), which loses none when it fails.
 
 A block holds `rows_per_block` rows of one hook of one request: the block size is a multiple of
 a float32 row, so a row of any capture dtype never straddles two blocks.
@@ -17,10 +20,15 @@ a float32 row, so a row of any capture dtype never straddles two blocks.
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import glob
+import itertools
 import mmap
 import os
 import shutil
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,15 +36,53 @@ from typing import Any
 import numpy as np
 
 from replicas import arrays
+from replicas.errors import ReplicaUnavailableError
 
 FLOAT32_ROWS_PER_BLOCK = 32
 CHUNK_BLOCKS = 256  # the arena grows by this many blocks: 128 MiB for a 4096-wide model
 COPY_THREADS = min(4, os.cpu_count() or 1)
 PARALLEL_COPY_BYTES = 16 << 20  # a step's rows are split into parts of at least this size
+# By default the arenas of all replicas on a node may take half of the file system, split evenly
+# between them (one replica per GPU, at least two shares): the other half stays for Ray's object
+# store and everything else that lives in /dev/shm.
+ARENA_SHARE_OF_FILE_SYSTEM = 0.5
+MIN_ARENA_SHARES = 2
 
 
 def arena_path(directory: str) -> str:
     return os.path.join(directory, "arena.bin")
+
+
+def node_gpu_count() -> int:
+    """GPUs on this node, from their device files: asking CUDA would initialize it in the
+    replica's process, which breaks vLLM's forked engine process."""
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def arena_limit_bytes(directory: str, configured: int | None) -> int:
+    """The most memory one replica's arena may take: `configured`, or by default this replica's
+    share (ARENA_SHARE_OF_FILE_SYSTEM split over max(GPUs on the node, MIN_ARENA_SHARES)); never
+    more than the file system holds."""
+    total = shutil.disk_usage(directory).total
+    if configured is None:
+        configured = int(total * ARENA_SHARE_OF_FILE_SYSTEM) // max(node_gpu_count(), MIN_ARENA_SHARES)
+    return min(configured, total)
+
+
+def arena_geometry(max_bytes: int, block_bytes: int, chunk_blocks: int = CHUNK_BLOCKS) -> tuple[int, int]:
+    """(blocks per chunk, most chunks) of an arena limited to max_bytes: chunks shrink to fit a
+    small limit. The worker's arena and the replica's admission both size it with this."""
+    chunk_blocks = max(1, min(chunk_blocks, max_bytes // block_bytes))
+    return chunk_blocks, max_bytes // (chunk_blocks * block_bytes)
+
+
+def arena_blocks(hooks: int, max_rows: int, row_bytes: int, reduce: str, block_bytes: int) -> int:
+    """Blocks a capture may take in the arena at most; 0 when its rows stay in the worker's own
+    arrays (a mean, or less than a block's worth of rows per hook)."""
+    per_block = block_bytes // row_bytes
+    if reduce == "mean" or max_rows < per_block:
+        return 0
+    return hooks * -(-max_rows // per_block)
 
 
 @dataclass(frozen=True)
@@ -65,15 +111,16 @@ class HostArena:
     The file is as large as its file system from the start but sparse: the mapping never moves
     (one numpy view serves every write), and pages are reserved a chunk at a time."""
 
-    def __init__(self, layout: ArenaLayout, chunk_blocks: int = CHUNK_BLOCKS):
+    def __init__(self, layout: ArenaLayout, chunk_blocks: int = CHUNK_BLOCKS, max_bytes: int | None = None):
         self.layout = layout
-        self.chunk_blocks = chunk_blocks
-        self.chunk_bytes = chunk_blocks * layout.block_bytes
         directory = os.path.dirname(layout.path)
-        self.max_chunks = shutil.disk_usage(directory).total // self.chunk_bytes
+        self.max_bytes = arena_limit_bytes(directory, max_bytes)
+        self.chunk_blocks, self.max_chunks = arena_geometry(self.max_bytes, layout.block_bytes, chunk_blocks)
+        self.chunk_bytes = self.chunk_blocks * layout.block_bytes
         self.fd = os.open(layout.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(self.fd, self.max_chunks * self.chunk_bytes)
-        self.bytes = np.frombuffer(mmap.mmap(self.fd, self.max_chunks * self.chunk_bytes), np.uint8)
+        size = max(self.max_chunks * self.chunk_bytes, mmap.PAGESIZE)  # a limit below one block maps a page
+        os.ftruncate(self.fd, size)
+        self.bytes = np.frombuffer(mmap.mmap(self.fd, size), np.uint8)
         self.chunks = 0
         self.free: list[int] = []
         self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="capserve-arena")
@@ -127,7 +174,11 @@ class HostArena:
 
     def _grow(self) -> None:
         if self.chunks == self.max_chunks:
-            raise OSError(errno.ENOSPC, f"the capture arena fills {self.layout.path}'s file system")
+            raise OSError(
+                errno.ENOSPC,
+                f"the capture arena is full: {self.chunks * self.chunk_bytes} bytes in use, its limit is "
+                f"{self.max_bytes} bytes (engine option arena_max_bytes)",
+            )
         # reserve the pages now: a full /dev/shm is an OSError here, where a write through the
         # mapping would kill the engine core with SIGBUS
         os.posix_fallocate(self.fd, self.chunks * self.chunk_bytes, self.chunk_bytes)
@@ -224,3 +275,139 @@ class ArenaReader:
             with open(path, "rb") as file:
                 self._files[path] = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
         return self._files[path]
+
+
+# ---------------------------------------------------------------- the replica's side of the block flow
+
+
+class ArenaBudget:
+    """Admits a request whose capture files into the worker's arena once the blocks it may take
+    fit beside those of the requests before it (first come, first served), so the worker's arena
+    never runs out under a mix of requests and never grows past its limit. A request's blocks come
+    back once the worker has them back (`BatchedTake.after_release`)."""
+
+    def __init__(self, capacity: int, block_bytes: int, limit: int):
+        self.capacity = capacity
+        self.geometry = (capacity, block_bytes, limit)
+        self.used = 0
+        self.waits = 0  # requests that had to wait
+        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    async def acquire(self, blocks: int) -> None:
+        if not blocks:
+            return
+        if not self._waiting and self.used + blocks <= self.capacity:
+            self.used += blocks
+            return
+        self.waits += 1
+        waiter = (blocks, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
+        try:
+            await waiter[1]
+        except BaseException:
+            if waiter[1].done() and not waiter[1].cancelled():
+                self.release(blocks)  # granted as it was cancelled
+            else:
+                self._waiting.remove(waiter)
+                self._grant()  # the next in line may fit now
+            raise
+
+    def release(self, blocks: int) -> None:
+        if blocks:
+            self.used -= blocks
+            self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self.used + self._waiting[0][0] <= self.capacity:
+            blocks, future = self._waiting.popleft()
+            self.used += blocks
+            future.set_result(None)
+
+
+class BatchedTake:
+    """Collects the keys of requests that finished close together into one `capserve_take` RPC
+    (every RPC waits for the engine core between two steps, so one per request would stall it),
+    and with them the arena blocks whose rows were read since the last one.
+
+    Each RPC waits at most `timeout_s`; its requests then fail with ReplicaUnavailableError (the
+    engine core did not answer: another replica should serve them). Calls are numbered: the next
+    one tells the worker which earlier ones the replica never got an answer to, so the worker frees
+    what they delivered. Blocks of a failed call are kept for the next one."""
+
+    def __init__(self, llm: Any, timeout_s: float = 120.0):
+        self.llm = llm
+        self.timeout_s = timeout_s
+        self.pending: dict[str, asyncio.Future] = {}
+        self.released: list[int] = []
+        self.callbacks: list[Callable[[], None]] = []  # to run once the worker has `released` back
+        self.abandoned: list[int] = []  # calls whose answer never came
+        self.calls = itertools.count()
+        self.flushing: asyncio.Task | None = None
+
+    def take(self, key: str) -> asyncio.Future:
+        """A future of the key's results (it completes even if the awaiting caller is cancelled)."""
+        future = asyncio.get_running_loop().create_future()
+        self.pending[key] = future
+        self._schedule()
+        return future
+
+    def release(self, blocks: list[int]) -> None:
+        if blocks:
+            self.released.extend(blocks)
+            self._schedule()  # back promptly, so the arena need not grow
+
+    def after_release(self, callback: Callable[[], None]) -> None:
+        """Run callback once the worker has every block released so far back (and has freed what
+        abandoned calls delivered); at once when nothing is on its way."""
+        if not self.released and not self.abandoned:
+            callback()
+            return
+        self.callbacks.append(callback)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self.flushing is None or self.flushing.done():
+            self.flushing = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let requests finishing in the same output batch join
+        while self.pending or self.released or self.callbacks:
+            batch, self.pending = self.pending, {}
+            released, self.released = self.released, []
+            callbacks, self.callbacks = self.callbacks, []
+            abandoned, call = list(self.abandoned), next(self.calls)
+            try:
+                taken = await self._call(list(batch), released, call, abandoned)
+            except Exception as exc:
+                # the worker may or may not have run it: the next call says to free what it gave
+                self.abandoned.append(call)
+                self.released[:0] = released
+                self.callbacks[:0] = callbacks
+                for future in batch.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                if not self.pending:  # blocks alone wait for the next take: a dead engine is not hammered
+                    return
+                continue
+            self.abandoned = [c for c in self.abandoned if c not in abandoned]
+            for key, future in batch.items():
+                if not future.done():
+                    future.set_result(taken.get(key, []))
+            for callback in callbacks:
+                callback()
+
+    async def _call(self, keys: list[str], released: list[int], call: int, abandoned: list[int]) -> dict[str, Any]:
+        args = (keys, released, call, abandoned)
+        try:
+            # vLLM's own timeout is not honoured by every executor: bound the wait here
+            answer = await asyncio.wait_for(self.llm.collective_rpc("capserve_take", timeout=self.timeout_s, args=args), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ReplicaUnavailableError(
+                f"the engine core did not answer the take RPC within {self.timeout_s:g} s (engine option take_timeout_s)"
+            ) from None
+        return answer[0]
+
+
+def taken_results(done: asyncio.Future) -> list[dict[str, Any]]:
+    """The results a finished take future holds; none when it failed."""
+    return done.result() if not done.cancelled() and done.exception() is None else []

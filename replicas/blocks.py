@@ -44,6 +44,7 @@ class SiteOptions:
     steer_layers: Collection[int] | None  # None: every layer takes edits
     edit_stages: int
     edit_slots: int  # per (site, stage), besides slot 0 (the identity)
+    max_set_edits: int = 4  # `set` edits one request may carry: rows per token of the shared values buffer
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SiteOptions:
@@ -54,6 +55,7 @@ class SiteOptions:
             steer_layers=options.get("steer_layers"),
             edit_stages=int(options.get("edit_stages", 1)),
             edit_slots=int(options.get("edit_slots", 64)),
+            max_set_edits=int(options.get("max_set_edits", 4)),
         )
 
 
@@ -69,17 +71,21 @@ def install_sites(
 def _build_sites(
     layout: _vllm.ModelLayout, options: SiteOptions, *, max_tokens: int, dtype: torch.dtype, device: torch.device
 ) -> Sites:
+    def steered(layer: int, kind: str) -> bool:
+        return kind in options.steer_kinds and (options.steer_layers is None or layer in options.steer_layers)
+
+    points = [HookPoint(layer, kind) for layer in range(len(layout.layers)) for kind in options.armed_kinds]  # type: ignore[arg-type]
+    # one `set` values buffer shared by every site (replicas.sites), if any site takes edits
+    steers = options.edit_stages > 0 and any(steered(p.layer, p.kind) for p in points)  # type: ignore[arg-type]
+    values = torch.zeros(options.max_set_edits * max_tokens, layout.d_model, dtype=dtype, device=device) if steers else None
     site_args = dict(
         d_model=layout.d_model, max_tokens=max_tokens, edit_slots=options.edit_slots + 1,
-        dtype=dtype, device=device,
+        dtype=dtype, device=device, values=values,
     )
     sites: Sites = {}
-    for layer in range(len(layout.layers)):
-        for kind in options.armed_kinds:
-            point = HookPoint(layer, kind)  # type: ignore[arg-type]
-            steered = kind in options.steer_kinds and (options.steer_layers is None or layer in options.steer_layers)
-            stages = options.edit_stages if steered else 0
-            sites[point] = Site(point, edit_stages=stages, capture=True, **site_args)
+    for point in points:
+        stages = options.edit_stages if steered(point.layer, point.kind) else 0  # type: ignore[arg-type]
+        sites[point] = Site(point, edit_stages=stages, capture=True, **site_args)
     final = HookPoint(None, "ln_final")
     sites[final] = Site(final, edit_stages=0, capture=True, **site_args)
     return sites

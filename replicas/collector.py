@@ -4,10 +4,16 @@ After each step the collector picks the rows every request asked for from the si
 buffers — one index_select per hook and capture group (requests that asked for the same hooks,
 dtype and reduction) — reduces them on the device and starts one copy to host per group; the
 outbox thread files them per request once the copy is done.
+
+Device memory outside vLLM's profile stays bounded: a step's gather (hooks x rows x d) and its
+logits (rows x vocab, float32) are computed `max_step_bytes` at a time, in chunks of rows, each
+copied into one host tensor before the next is computed. Capture groups live while a request
+uses them: `group` hands one out, `release_group` gives it back, and an unused group is forgotten.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +27,8 @@ from replicas.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTabl
 from replicas.sites import Site
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_STEP_BYTES = 256 << 20  # EngineConfig.max_step_temp_bytes
+GroupSites = tuple[list[Site], str, str]  # (sites, dtype, reduce)
 
 
 @dataclass
@@ -44,6 +52,7 @@ class Collector:
         vocab_size: int,
         device: torch.device,
         outbox: Outbox,
+        max_step_bytes: int = MAX_STEP_BYTES,
     ):
         self.runner = runner
         self.sites = sites
@@ -51,17 +60,45 @@ class Collector:
         self.vocab_size = vocab_size
         self.device = device
         self.outbox = outbox
-        self.groups: dict[tuple, int] = {}  # (hooks, dtype, reduce) -> capture group
-        self.group_sites: list[tuple[list[Site], str, str]] = []
+        self.max_step_bytes = max_step_bytes
+        self.groups: dict[tuple, int] = {}  # (hooks, dtype, reduce) -> capture group, while a request uses it
+        self.group_sites: list[GroupSites | None] = []  # by group; None: free
+        self._group_users: list[int] = []
+        self._group_signatures: list[tuple | None] = []
+        self._free_groups: list[int] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.rows_captured = 0
 
+    @property
+    def live_groups(self) -> int:
+        return len(self.groups)
+
     def group(self, capture: CapturePlan) -> int:
+        """The capture group of requests that ask for these hooks, dtype and reduction; held until
+        `release_group`."""
         signature = (tuple((layer, kind) for layer, kind, _ in capture.sites), capture.dtype, capture.reduce)
-        if signature not in self.groups:
-            self.groups[signature] = len(self.group_sites)
-            self.group_sites.append(([self.sites[site] for site in signature[0]], capture.dtype, capture.reduce))
-        return self.groups[signature]
+        group = self.groups.get(signature)
+        if group is None:
+            group = self._free_groups.pop() if self._free_groups else len(self.group_sites)
+            if group == len(self.group_sites):
+                self.group_sites.append(None)
+                self._group_users.append(0)
+                self._group_signatures.append(None)
+            self.groups[signature] = group
+            self.group_sites[group] = ([self.sites[site] for site in signature[0]], capture.dtype, capture.reduce)
+            self._group_signatures[group] = signature
+        self._group_users[group] += 1
+        return group
+
+    def release_group(self, group: int) -> None:
+        """A request no longer reads its group (-1: it held none); the last one frees it."""
+        if group < 0:
+            return
+        self._group_users[group] -= 1
+        if self._group_users[group] == 0:
+            del self.groups[self._group_signatures[group]]
+            self.group_sites[group] = self._group_signatures[group] = None
+            self._free_groups.append(group)
 
     def captured_sites(self, batch: Batch, columns: Columns) -> set[Site]:
         """The sites whose staging buffers some request of the step reads."""
@@ -90,14 +127,12 @@ class Collector:
                 picked = group[k] == g
                 selection = self._select(requests, [c[picked] for c in chunks], columns["positions"][rows[picked]], "capture")
                 if selection is not None:
-                    self._hand_over("rows", self._gather_group(g, selection), selection)
+                    self._hand_over_rows(g, selection)
         picked = logits_mode[k] != NO_LOGITS
         if picked.any():
             selection = self._select(requests, [c[picked] for c in chunks], logits_mode[k][picked], "logits")
             if selection is not None:
-                normed = self.final_norm.staging.index_select(0, self._to_device(selection.rows))
-                logits = _vllm.compute_logits(self.runner, normed, self.vocab_size)
-                self._hand_over("logits", logits.unsqueeze(0), selection)
+                self._hand_over_logits(selection)
 
     def _select(self, requests: RequestTable, chunks: list[np.ndarray], modes: np.ndarray, what: str) -> Selection | None:
         """The rows a set of requests selects in this step: position modes for all at once,
@@ -133,16 +168,65 @@ class Collector:
         entries = [requests.entry_at[h] for h in picked.tolist()]
         return Selection(entries, np.concatenate(picked_rows), offsets, counts_all, dests)
 
-    def _gather_group(self, group: int, selection: Selection) -> torch.Tensor:
+    def rows_per_chunk(self, row_bytes: int) -> int:
+        """Rows computed at once when each takes row_bytes of device temporaries."""
+        return max(1, self.max_step_bytes // max(row_bytes, 1))
+
+    def _hand_over_rows(self, group: int, selection: Selection) -> None:
         """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean."""
         sites, dtype, reduce = self.group_sites[group]
         rows = self._to_device(selection.rows)
-        picked = torch.stack([site.staging.index_select(0, rows) for site in sites])
-        if reduce != "mean":
-            return picked.to(TORCH_DTYPES[dtype])
-        segments = self._to_device(np.repeat(np.arange(len(selection.counts)), selection.counts))
-        summed = torch.zeros(len(sites), len(selection.counts), picked.shape[-1], dtype=torch.float32, device=self.device)
-        return summed.index_add_(1, segments, picked.float())
+        width, itemsize = sites[0].staging.shape[1], sites[0].staging.element_size()
+
+        def picked(lo: int, hi: int) -> torch.Tensor:
+            return torch.stack([site.staging.index_select(0, rows[lo:hi]) for site in sites])
+
+        if reduce == "mean":
+            # per chunk: the index_selects, their stack and its float32 copy
+            step = self.rows_per_chunk(len(sites) * width * (2 * itemsize + 4))
+            segments = self._to_device(np.repeat(np.arange(len(selection.counts)), selection.counts))
+            summed = torch.zeros(len(sites), len(selection.counts), width, dtype=torch.float32, device=self.device)
+            for lo in range(0, len(rows), step):
+                summed.index_add_(1, segments[lo : lo + step], picked(lo, lo + step).float())
+            self._hand_over("rows", summed, selection)
+            return
+        out = TORCH_DTYPES[dtype]
+        row_bytes = len(sites) * width * (2 * itemsize + out.itemsize)
+        self._hand_over_chunked("rows", selection, (len(sites), len(rows), width), out, row_bytes,
+                                lambda lo, hi: picked(lo, hi).to(out))
+
+    def _hand_over_logits(self, selection: Selection) -> None:
+        """[1, rows, vocab] float32 logits of the final-normed rows."""
+        rows = self._to_device(selection.rows)
+        staging = self.final_norm.staging
+        # per chunk: the normed rows, lm_head's output in the model dtype and its float32 copy
+        row_bytes = staging.shape[1] * staging.element_size() + self.vocab_size * (staging.element_size() + 4)
+
+        def logits(lo: int, hi: int) -> torch.Tensor:
+            normed = staging.index_select(0, rows[lo:hi])
+            return _vllm.compute_logits(self.runner, normed, self.vocab_size).unsqueeze(0)
+
+        self._hand_over_chunked("logits", selection, (1, len(rows), self.vocab_size), torch.float32, row_bytes, logits)
+
+    def _hand_over_chunked(
+        self, kind: str, selection: Selection, shape: tuple[int, int, int], dtype: torch.dtype, row_bytes: int,
+        compute: Callable[[int, int], torch.Tensor],
+    ) -> None:
+        """Hand over compute(0, rows), computed `rows_per_chunk` rows at a time once that is fewer
+        than all: each chunk is copied into one host tensor before the next is computed, in
+        stream order on the GPU, so the allocator reuses one chunk's memory for the next."""
+        step = self.rows_per_chunk(row_bytes)
+        if shape[1] <= step:
+            self._hand_over(kind, compute(0, shape[1]), selection)
+            return
+        host = torch.empty(shape, dtype=dtype, pin_memory=self.copy_stream is not None)
+        for lo in range(0, shape[1], step):
+            host[:, lo : lo + step].copy_(compute(lo, min(lo + step, shape[1])), non_blocking=True)
+        event = None
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._queue(kind, host, event, selection)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -161,5 +245,8 @@ class Collector:
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
             picked.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
+        self._queue(kind, host, event, selection)
+
+    def _queue(self, kind: str, host: torch.Tensor, event: Any, selection: Selection) -> None:
         buffers = [entry.buffers for entry in selection.requests]
         self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests))

@@ -18,8 +18,8 @@ from replicas.sites import Site, table_row
 
 # Per steered site: the slot of every row of the step, per stage ([stages, tokens]).
 Slots = dict[Site, np.ndarray]
-# Per site: the values a `set` edit writes, as (stage, rows, values).
-Sets = dict[Site, list[tuple[int, np.ndarray, np.ndarray]]]
+# Per site: the values a `set` edit writes, as (stage, rows of the step, rows of the shared values buffer, values).
+Sets = dict[Site, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]]
 
 
 def fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> None:
@@ -33,10 +33,11 @@ def fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: n
 class EditTable:
     """Hands out the slots of every steered site and writes each step's row-to-slot map."""
 
-    def __init__(self, sites: dict[tuple[int | None, str], Site], edit_slots: int, device: torch.device):
+    def __init__(self, sites: dict[tuple[int | None, str], Site], edit_slots: int, device: torch.device, max_set_edits: int = 4):
         self.sites = sites
         self.edit_slots = edit_slots
         self.device = device
+        self.max_set_edits = max_set_edits  # the j-th set edit of a request writes row `row * max_set_edits + j`
         self._free_slots = {
             (id(s), stage): list(range(edit_slots, 0, -1)) for s in sites.values() for stage in range(s.edit_stages)
         }
@@ -126,7 +127,10 @@ class EditTable:
         for k in np.flatnonzero(columns["fallback"][batch.rows]).tolist():
             entry = requests.entry_at[int(batch.rows[k])]
             lo, start_k, count = step.chunk(k)
+            set_edits = 0  # set edits of this request so far: which row of the values buffer it writes
             for edit in entry.plan.edits:
+                j = set_edits
+                set_edits += edit.op == "set"
                 if edit.vectorized:
                     continue
                 offsets = edit.offsets(start_k, count, entry.plan.prompt_len)
@@ -137,7 +141,8 @@ class EditTable:
                 table[edit.stage, lo + offsets] = edit.slot
                 if edit.op == "set":
                     values = edit.values[value_rows(edit.positions, start_k + offsets, entry.plan.prompt_len, len(edit.values))]
-                    sets.setdefault(site, []).append((edit.stage, lo + offsets, values))
+                    rows = lo + offsets
+                    sets.setdefault(site, []).append((edit.stage, rows, rows * self.max_set_edits + j, values))
         return slots, sets
 
     def _write_edit_rows(self, slots: Slots, sets: Sets, num_tokens: int) -> None:
@@ -153,9 +158,12 @@ class EditTable:
             slot = np.zeros((site.edit_stages, width), dtype=np.int64)
             slot[:, :num_tokens] = slots[site]
             set_stage = np.full(width, -1, dtype=np.int64)
-            for stage, rows, values in sets.get(site, ()):
+            set_row = np.zeros(width, dtype=np.int64)
+            for stage, rows, shared_rows, values in sets.get(site, ()):
                 set_stage[rows] = stage
-                site.values[torch.from_numpy(rows)] = torch.from_numpy(values).to(self.device, site.values.dtype)
+                set_row[rows] = shared_rows
+                site.values[torch.from_numpy(shared_rows)] = torch.from_numpy(values).to(self.device, site.values.dtype)
             site.slot[:, :width].copy_(torch.from_numpy(slot), non_blocking=True)
             site.set_stage[:width].copy_(torch.from_numpy(set_stage), non_blocking=True)
+            site.set_row[:width].copy_(torch.from_numpy(set_row), non_blocking=True)
             self._dirty_rows[site] = num_tokens

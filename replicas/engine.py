@@ -8,6 +8,11 @@ Requests are validated and tokenized here, before anything reaches vLLM; what de
 model (layers, width, armed kinds, byte cap, prompt length) fails the one request with an
 `InvalidRequestError` that names the field. The request's capture plan rides on
 `SamplingParams.extra_args`, so no RPC precedes it; one RPC after it finishes takes its rows.
+
+Memory a request holds is admitted here: its activations and logits, times `n`, against
+`max_capture_bytes` (replicas.plans); the arena blocks its capture may need against the
+replica's arena (`ArenaBudget`: it waits until they fit). The take RPC has a deadline
+(`take_timeout_s`); a request whose take timed out fails with ReplicaUnavailableError.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -30,10 +36,14 @@ from pydantic import ValidationError
 from replicas import arrays
 from replicas.api import CaptureSpec, Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
 from replicas.architectures import BlockShape, absent_kinds, block_shape
-from replicas.arena import ArenaReader, arena_path, delete_files, stored_in
+from replicas.arena import (
+    ArenaBudget, ArenaLayout, ArenaReader, BatchedTake, arena_blocks, arena_geometry, arena_limit_bytes, arena_path,
+    delete_files, stored_in, taken_results,
+)
 from replicas.engine_config import EngineConfig, checkpoint_facts
-from replicas.errors import CaptureFailedError, InvalidRequestError
+from replicas.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.hooks import served_hook_names
+from replicas.lifeline import SPILL_PREFIX, Owner, Progress, sweep_stale_spill_dirs
 from replicas.plans import PLAN_KEY, build_wire_plan, reduced_on_replica
 
 MIN_SHARED_MEMORY_BYTES = 2 << 30
@@ -50,9 +60,13 @@ class CaptureEngine:
         # skip_tokenizer_init (benchmarks on dummy weights): prompts must then be token ids
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
         self._edit_slots = _EditSlots(config.edit_slots)
-        self._taker = _BatchedTake(llm)
+        self._taker = BatchedTake(llm, config.take_timeout_s)
         self._arena = ArenaReader()
+        self._arena_budget: ArenaBudget | None = None  # sized on first use, once spill_dir is known
         self.spill_dir: str | None = None  # shared-memory folder for large worker results
+        # why captures fail at once on this replica (its worker's outbox died); None while they work
+        self.capture_failure: str | None = None
+        self.progress = Progress()
 
     @classmethod
     async def start(cls, config: EngineConfig | dict[str, Any], name: str | None = None) -> "CaptureEngine":
@@ -72,32 +86,58 @@ class CaptureEngine:
             "engine %s: %s (%s blocks), dtype %s%s, vLLM %s", name, architecture, shape, config.dtype,
             " (the checkpoint's own)" if checkpoint_dtype and config.dtype == checkpoint_dtype else "", version,
         )
-        spill_dir = tempfile.mkdtemp(prefix="capserve-", dir=_spill_parent())
+        owner = Owner.current()
+        parent = _spill_parent()
+        sweep_stale_spill_dirs(parent or tempfile.gettempdir())
+        spill_dir = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent)
+        owner.write(spill_dir)
+        llm = None
         try:
-            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape)))
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape, asdict(owner))))
+            engine = cls(llm, config, _model_info(llm, config), name, shape)
+            outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
+            if outside:
+                raise ValueError(f"steer_layers: {outside} outside the model's layers 0..{engine._info.n_layers - 1}")
+            engine.spill_dir = spill_dir
+            # map the worker's arena, then delete its name: its memory goes back with the last
+            # process that maps it, also when the engine is killed rather than shut down
+            engine._arena.attach(arena_path(spill_dir))
+            return engine
         except BaseException:
+            if llm is not None:
+                llm.shutdown()
             shutil.rmtree(spill_dir, ignore_errors=True)
             raise
-        engine = cls(llm, config, _model_info(llm, config), name, shape)
-        outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
-        if outside:
-            llm.shutdown()
-            shutil.rmtree(spill_dir, ignore_errors=True)
-            raise ValueError(f"steer_layers: {outside} outside the model's layers 0..{engine._info.n_layers - 1}")
-        engine.spill_dir = spill_dir
-        # map the worker's arena, then delete its name: its memory goes back with the last process
-        # that maps it, also when the engine is killed rather than shut down
-        engine._arena.attach(arena_path(spill_dir))
-        return engine
 
     async def info(self) -> ModelInfo:
         return self._info
 
-    async def check_health(self) -> dict[str, Any]:
-        """Raise if the engine is dead or does not answer; otherwise the worker's counters."""
+    async def check_health(self) -> None:
+        """Raise if the engine core has failed or its process is gone. Answered here, in the
+        replica's process: the engine-core thread may be busy for seconds in a large capture."""
         await self.llm.check_health()
-        stats = await self.llm.collective_rpc("capserve_stats", timeout=30)
+        gone = [pid for pid in self.engine_pids() if not _running(pid)]
+        if gone:
+            raise RuntimeError(f"engine core process {gone} is gone")
+        if self.capture_failure is not None:
+            raise RuntimeError(f"captures fail on this replica: {self.capture_failure}")
+        stalled = self.progress.stalled_s()
+        if stalled > self.config.stall_timeout_s:
+            raise RuntimeError(
+                f"no output for {stalled:.0f} s with {self.progress.active} requests running "
+                f"(stall_timeout_s={self.config.stall_timeout_s:g})"
+            )
+
+    async def stats(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The worker's counters (an RPC that waits for the engine core's next free moment)."""
+        stats = await self.llm.collective_rpc("capserve_stats", timeout=timeout_s)
         return stats[0]
+
+    def engine_pids(self) -> list[int]:
+        """The engine core process(es) this engine started."""
+        from replicas import _vllm
+
+        return _vllm.engine_core_pids(self.llm)
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
@@ -108,48 +148,116 @@ class CaptureEngine:
 
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
         request = _validated(request)
+        if self.capture_failure is not None and (request.capture is not None or request.logits is not None):
+            raise ReplicaUnavailableError(f"replica {self.name}: {self.capture_failure}")
         prompt_ids = self._prompt_token_ids(request)
         key = uuid.uuid4().hex
         plan = self._plan(key, request, prompt_ids)
         params = self._sampling_params(request, plan)
         # an edit-only request is taken too: an edit the worker could not install fails it there
-        finish = _Finish(plan is not None, request.capture, len(prompt_ids))
-        if request.interventions:
-            async with self._edit_slots.hold(plan["edits"]):
-                return await self._run(key, prompt_ids, params, finish)
-        return await self._run(key, prompt_ids, params, finish)
+        finish = _Finish(plan is not None, request.capture, len(prompt_ids), self._arena_blocks(plan, request.n))
+        budget = self._budget()
+        await budget.acquire(finish.arena_blocks)
+        try:
+            if request.interventions:
+                async with self._edit_slots.hold(plan["edits"]):
+                    return await self._run(key, prompt_ids, params, finish)
+            return await self._run(key, prompt_ids, params, finish)
+        finally:
+            if not finish.ran:  # never submitted: its blocks were never used
+                budget.release(finish.arena_blocks)
 
     async def _run(self, key: str, prompt_ids: list[int], params: Any, finish: "_Finish") -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
         final, completions, captured = None, {}, []
+        finish.ran = True
+        self.progress.started()
         try:
             try:
                 async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=key):
+                    self.progress.output()
                     final = output
                     # with n > 1 a step's output carries only the completions that advanced in it
                     completions.update((c.index, c) for c in output.outputs)
             finally:
                 # also on cancellation, so the worker forgets the request's rows
-                captured = await asyncio.shield(self._taker.take(key)) if finish.takes else []
+                captured = await self._take(key, finish) if finish.takes else []
             args = (key, final, [completions[i] for i in sorted(completions)], captured, finish)
             if captured and any("blocks" in raw for raw in captured[0].get("activations", {}).values()):
                 # copying a large capture out of the arena must not hold up the event loop
                 return await asyncio.to_thread(self._result, *args)
             return self._result(*args)
         finally:
-            self._free(captured)  # read or not, the worker's storage of them goes back
+            self.progress.finished()
+            if not finish.taking:  # a take still under way frees what it gets itself
+                self._free(captured, finish)  # read or not, the worker's storage of them goes back
+
+    async def _take(self, key: str, finish: "_Finish") -> list[dict[str, Any]]:
+        """The request's results. The take goes on when the caller is cancelled (again, while it
+        waits here): then what it brings is freed once it comes, and nothing is left behind."""
+        taken = self._taker.take(key)
+        finish.taking = True
+        try:
+            captured = await asyncio.shield(taken)
+        except asyncio.CancelledError:
+            taken.add_done_callback(lambda done: self._free(taken_results(done), finish))
+            raise
+        except BaseException:
+            finish.taking = False
+            raise
+        finish.taking = False
+        return captured
 
     def _worker_array(self, raw: dict[str, Any]) -> np.ndarray:
         if "blocks" in raw:
             return self._arena.read(raw)
         return arrays.from_file(raw) if "path" in raw else arrays.from_raw(raw)
 
-    def _free(self, captured: list[dict[str, Any]]) -> None:
+    def _free(self, captured: list[dict[str, Any]], finish: "_Finish | None" = None) -> None:
+        """Give back what the worker stored for these results; the request's arena budget goes
+        back once the worker has its blocks (after the take RPC that carries them)."""
         for result in captured:
             blocks, paths = stored_in(result)
             self._taker.release(blocks)
             delete_files(paths)
+        if finish is not None and finish.arena_blocks:
+            blocks, finish.arena_blocks = finish.arena_blocks, 0
+            budget = self._budget()
+            self._taker.after_release(lambda: budget.release(blocks))
+
+    def _budget(self) -> ArenaBudget:
+        if self._arena_budget is None:
+            self._arena_budget = ArenaBudget(*self._arena_geometry())
+        return self._arena_budget
+
+    def _arena_geometry(self) -> tuple[int, int, int]:
+        """(blocks, block bytes, limit in bytes) of the worker's arena; no blocks without one."""
+        if self.spill_dir is None:
+            return 0, 0, 0
+        layout = ArenaLayout.for_model(self.spill_dir, self._info.d_model)
+        limit = arena_limit_bytes(self.spill_dir, self.config.arena_max_bytes)
+        chunk_blocks, chunks = arena_geometry(limit, layout.block_bytes)
+        return chunk_blocks * chunks, layout.block_bytes, limit
+
+    def _arena_blocks(self, plan: dict[str, Any] | None, n: int) -> int:
+        """Arena blocks the request's capture may take at most, for all its n completions;
+        refused when the whole arena could not hold them."""
+        capture = (plan or {}).get("capture")
+        if capture is None or self.spill_dir is None:
+            return 0
+        capacity, block_bytes, limit = self._budget().geometry
+        row_bytes = self._info.d_model * arrays.DTYPES[capture["dtype"]].itemsize
+        per_completion = arena_blocks(len(capture["sites"]), capture["max_rows"], row_bytes, capture["reduce"], block_bytes)
+        blocks = n * per_completion
+        if blocks > capacity:
+            raise InvalidRequestError(
+                f"capture: {len(capture['sites'])} hooks x {capture['max_rows']} positions{f' x n={n} completions' if n > 1 else ''} "
+                f"need up to {blocks} blocks of {block_bytes} bytes in the replica's shared-memory arena, which "
+                f"holds {capacity} (arena_max_bytes={limit}); capture fewer hooks or positions, lower n, or raise "
+                f"the engine option arena_max_bytes"
+            )
+        return blocks
 
     def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         prompt = request.prompt
@@ -187,6 +295,8 @@ class CaptureEngine:
                 edit_stages=self.config.edit_stages,
                 max_capture_bytes=self.config.max_capture_bytes,
                 absent_kinds=absent_kinds(self.shape),
+                d_vocab=self._info.d_vocab,
+                max_set_edits=self.config.max_set_edits,
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
@@ -230,6 +340,10 @@ class CaptureEngine:
         if not captured:
             return result
         first = captured[0]
+        if first["error"] and first.get("replica_fault"):  # the replica's fault: retry elsewhere
+            if first["replica_fault"] == OUTBOX_DEAD:
+                self.capture_failure = first["error"]
+            raise ReplicaUnavailableError(f"replica {self.name}: {first['error']}")
         if first["error"]:
             raise CaptureFailedError(first["error"])
         sequence = prompt_ids + choices[0].token_ids
@@ -250,8 +364,11 @@ class CaptureEngine:
 class _Finish:
     """What the replica does with a request's rows once it knows which tokens the caller gets."""
 
-    def __init__(self, takes: bool, capture: CaptureSpec | None, prompt_len: int):
+    def __init__(self, takes: bool, capture: CaptureSpec | None, prompt_len: int, arena_blocks: int = 0):
         self.takes = takes
+        self.arena_blocks = arena_blocks  # of the replica's arena budget, held until freed
+        self.ran = False  # submitted to vLLM
+        self.taking = False  # its take is under way
         # a mean over rows that may run past the returned tokens is taken here, after trimming
         self.mean_dtype = capture.dtype if capture is not None and reduced_on_replica(capture, prompt_len) else None
 
@@ -309,54 +426,21 @@ def _op_key(edit: dict[str, Any]) -> tuple:
     return (*where, edit["op"], vector, edit["scale"], edit["norm_match"], edit["factor"])
 
 
-class _BatchedTake:
-    """Collects the keys of requests that finished close together into one `capserve_take` RPC
-    (every RPC waits for the engine core between two steps, so one per request would stall it),
-    and with them the arena blocks whose rows were read since the last one."""
-
-    def __init__(self, llm: Any):
-        self.llm = llm
-        self.pending: dict[str, asyncio.Future] = {}
-        self.released: list[int] = []
-        self.flushing: asyncio.Task | None = None
-
-    async def take(self, key: str) -> list[dict[str, Any]]:
-        future = asyncio.get_running_loop().create_future()
-        self.pending[key] = future
-        self._schedule()
-        return await future
-
-    def release(self, blocks: list[int]) -> None:
-        if blocks:
-            self.released.extend(blocks)
-            self._schedule()  # back promptly, so the arena need not grow
-
-    def _schedule(self) -> None:
-        if self.flushing is None or self.flushing.done():
-            self.flushing = asyncio.ensure_future(self._flush())
-
-    async def _flush(self) -> None:
-        await asyncio.sleep(0)  # let requests finishing in the same output batch join
-        while self.pending or self.released:
-            batch, self.pending = self.pending, {}
-            released, self.released = self.released, []
-            try:
-                taken = (await self.llm.collective_rpc("capserve_take", args=(list(batch), released)))[0]
-                for key, future in batch.items():
-                    if not future.done():
-                        future.set_result(taken.get(key, []))
-            except Exception as exc:
-                for future in batch.values():
-                    if not future.done():
-                        future.set_exception(exc)
-
-
 def _spill_parent() -> str | None:
     """/dev/shm, unless it is missing or small (a container's default is 64 MiB): then the
     temporary folder (None), whose page cache serves the worker's large results more slowly."""
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").total >= MIN_SHARED_MEMORY_BYTES:
         return "/dev/shm"
     return None
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _validated(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.architectures import BlockShape, absent_kinds, layer_kinds
 from replicas.hooks import LAYER_KINDS, LayerKind
@@ -65,11 +65,62 @@ class EngineConfig(BaseModel):
     edit_slots: int = Field(
         64, ge=1, description="Distinct interventions (op and vector) per hook running at once; requests with the same one share it."
     )
-    max_capture_bytes: int = Field(256 << 20, gt=0, description="Largest capture one request may ask for.")
+    max_capture_bytes: int = Field(
+        256 << 20, gt=0,
+        description="Most bytes one request may have the worker hold: its activations plus its logits (float32 rows "
+        "x d_vocab), times n (each completion captures in full; the first is returned).",
+    )
+    arena_max_bytes: int | None = Field(
+        None, gt=0,
+        description="Most shared memory this replica's capture arena may take. Default: a fair share of /dev/shm "
+        "(or of the temporary folder when /dev/shm is small): half of it, split evenly over the node's GPUs and "
+        "at least two shares, so replicas, Ray's object store and others never find it full. A request whose "
+        "capture could not fit beside those in flight waits; one that could never fit is refused.",
+    )
+    max_step_temp_bytes: int = Field(
+        256 << 20, gt=0,
+        description="Most device memory one step's capture gather or logits computation takes at once, outside "
+        "vLLM's memory profile; larger steps are computed in row chunks of this size.",
+    )
+    max_set_edits: int = Field(
+        4, ge=1, le=64,
+        description="Most `set` interventions one request may carry. Every steered site shares one values buffer "
+        "of max_set_edits x max_num_batched_tokens x d_model.",
+    )
+    take_timeout_s: float = Field(
+        120.0, gt=0,
+        description="How long the replica waits for the worker to hand over finished requests' rows (one RPC "
+        "between two engine steps); past it those requests fail with ReplicaUnavailableError (retried elsewhere).",
+    )
+    outbox_timeout_s: float = Field(
+        60.0, gt=0,
+        description="How long the engine core waits for the worker's outbox thread (a finished request's rows, "
+        "room in the backlog); past it the requests concerned fail with ReplicaUnavailableError instead of "
+        "hanging the engine core. Must be below take_timeout_s.",
+    )
+    stall_timeout_s: float = Field(
+        300.0, gt=0,
+        description="The health check fails when requests are running and none got output for this long (a wedged "
+        "engine core); above take_timeout_s, since a take holds the engine core between two steps.",
+    )
     allow_unverified_vllm: bool = Field(
         False, description="Run on a vLLM release capserve's internals were not verified on (replicas/_vllm.py)."
     )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _waits_nest(self) -> "EngineConfig":
+        if self.outbox_timeout_s >= self.take_timeout_s:
+            raise ValueError(
+                f"outbox_timeout_s={self.outbox_timeout_s:g} must be below take_timeout_s={self.take_timeout_s:g}: "
+                "a take waits for the outbox, and its requests should fail for the outbox's reason"
+            )
+        if self.stall_timeout_s <= self.take_timeout_s:
+            raise ValueError(
+                f"stall_timeout_s={self.stall_timeout_s:g} must be above take_timeout_s={self.take_timeout_s:g}: "
+                "a take holds the engine core, and a busy engine must not fail its health check"
+            )
+        return self
 
     def for_checkpoint(self, shape: BlockShape, checkpoint_dtype: str | None) -> "EngineConfig":
         """This config with what the checkpoint decides filled in: the kinds its blocks have
@@ -84,7 +135,10 @@ class EngineConfig(BaseModel):
             update["dtype"] = checkpoint_dtype
         return self.model_copy(update=update)
 
-    def engine_args(self, spill_dir: str | None = None, shape: BlockShape = "pre_norm") -> dict[str, Any]:
+    def engine_args(
+        self, spill_dir: str | None = None, shape: BlockShape = "pre_norm", owner: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """vLLM's engine arguments; `owner` (pid, start time) is the process the engine dies with."""
         for key in LOCKED_SETTINGS:
             if key in self.engine_kwargs:
                 raise ValueError(
@@ -116,8 +170,13 @@ class EngineConfig(BaseModel):
                 "steer_layers": self.steer_layers,
                 "edit_stages": self.edit_stages,
                 "edit_slots": self.edit_slots,
+                "max_set_edits": self.max_set_edits,
+                "arena_max_bytes": self.arena_max_bytes,
+                "max_step_temp_bytes": self.max_step_temp_bytes,
+                "outbox_timeout_s": self.outbox_timeout_s,
                 "eager": eager,
                 "spill_dir": spill_dir,
+                "owner": owner,
             }
         }
         return args

@@ -10,6 +10,11 @@ such requests), the others into the request's own arrays. When a request finishe
 result: arena captures as their block numbers, small arrays inline, large logits to a
 shared-memory file. Work runs in the order handed over, so a result holds every step handed over
 before its request finished.
+
+Nothing waits on the thread forever: the step loop waits for room in the backlog and `take` for a
+result at most `timeout_s`, after which the requests concerned fail as the replica's fault. A
+top-level guard catches the thread's death: the requests it holds fail, and so does every later
+one at once (`Outbox.failure`), instead of hanging the engine core.
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ import numpy as np
 import torch
 
 from replicas import arrays
-from replicas.arena import ArenaLayout, BlockTable, HostArena, delete_files, describe, stored_in
+from replicas.arena import (
+    ArenaLayout,
+    BlockTable,
+    HostArena,
+    arena_blocks,
+    delete_files,
+    describe,
+    stored_in,
+)
+from replicas.errors import OUTBOX_DEAD, OUTBOX_STUCK
 from replicas.plans import RequestPlan, captured_positions, concatenated_ranges
 
 SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory file
@@ -37,6 +51,8 @@ SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory 
 SWITCH_INTERVAL_S = 0.0002
 IDLE_S = 30.0  # after this long without work the arena gives back the memory no block uses
 BACKLOG_BYTES = 4 << 30  # two of the largest steps (8192 tokens x 32 layers x 4096 x bf16 = 2 GiB)
+TIMEOUT_S = 60.0  # EngineConfig.outbox_timeout_s
+STUCK, DEAD = OUTBOX_STUCK, OUTBOX_DEAD  # RequestBuffers.replica_fault
 
 
 @dataclass
@@ -52,8 +68,14 @@ class RequestBuffers:
     n_rows: int = 0  # rows handed over (set by the step loop once the request ran its last step)
     n_logits: int = 0
     error: str | None = None
+    # "" when the error is the request's own; STUCK or DEAD when the outbox failed it (the replica's fault)
+    replica_fault: str = ""
     result: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    # set when `take` gave up waiting: the outbox then frees the result itself; the lock decides
+    # which of the two frees it, never both
+    abandoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def for_plan(cls, plan: RequestPlan, d_model: int, vocab: int, arena: ArenaLayout | None) -> RequestBuffers:
@@ -62,11 +84,14 @@ class RequestBuffers:
         if capture is not None:
             dtype = arrays.DTYPES[capture.dtype]
             buffers.row_shape = (d_model, capture.dtype)
-            per_block = arena.rows_per_block(d_model * dtype.itemsize) if arena is not None else 0
+            row_bytes = d_model * dtype.itemsize
+            in_arena = arena is not None and arena_blocks(
+                len(capture.sites), capture.max_rows, row_bytes, capture.reduce, arena.block_bytes
+            )
             if capture.reduce == "mean":
                 buffers.sites = np.zeros((len(capture.sites), 1, d_model), np.float32)
-            elif per_block and capture.max_rows >= per_block:  # at least a block's worth per hook
-                buffers.rows_per_block = per_block
+            elif in_arena:  # at least a block's worth per hook
+                buffers.rows_per_block = arena.rows_per_block(row_bytes)
             else:
                 buffers.sites = np.empty((len(capture.sites), capture.max_rows, d_model), dtype)
         if plan.logits_positions is not None:
@@ -89,6 +114,26 @@ class RequestBuffers:
             rows = 0
         return rows + (self.logits[:n_logits].nbytes if self.logits is not None else 0)
 
+    def fail(self, error: str, replica_fault: str = "") -> None:
+        """The request fails with this error (a first error stands)."""
+        if self.error is None:
+            self.error, self.replica_fault = error, replica_fault
+
+    def error_result(self) -> dict[str, Any]:
+        return {"error": self.error, "replica_fault": self.replica_fault}
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        """The result once the outbox wrote it; after timeout_s an error that blames the replica
+        (the outbox frees the result when it comes)."""
+        if self.done.wait(max(timeout_s, 0.0)):
+            return self.result
+        with self.lock:
+            if self.done.is_set():  # it came in just now
+                return self.result
+            self.abandoned = True
+        error = "the worker's outbox thread did not deliver the result in time (engine option outbox_timeout_s)"
+        return {"error": error, "replica_fault": STUCK}
+
     def add_rows(self, data: np.ndarray, member: int, lo: int, n: int, dest: int) -> None:
         """Rows lo:lo+n of a step's gathered [hooks, rows, d] block (a sum row per request, at
         index `member`, for reduce=mean) into rows dest:dest+n. Rows carry their destination, so
@@ -109,7 +154,7 @@ class RequestBuffers:
         if self.error is not None:
             if arena is not None:
                 arena.release(table_row[table_row >= 0])
-            return {"error": self.error}
+            return self.error_result()
 
         def encode(name: str, array: np.ndarray) -> dict[str, Any]:
             if spill_path is not None and array.nbytes >= SPILL_BYTES:
@@ -170,7 +215,7 @@ class StepRows:
                 else:
                     buffers.add_rows(data, member, lo, n, dest)
             except Exception as exc:  # a bookkeeping bug must fail this request, not the worker
-                buffers.error = f"capture failed in the worker: {exc!r}"
+                buffers.fail(f"capture failed in the worker: {exc!r}")
 
     def _file_in_arena(self, data: np.ndarray, arena: HostArena, table: BlockTable) -> None:
         """The rows of every arena request of the step: one block lookup, one scatter."""
@@ -187,7 +232,7 @@ class StepRows:
         else:
             return
         for buffers in members:
-            buffers.error = failure
+            buffers.fail(failure)
 
     def _scatter(self, data: np.ndarray, picked: np.ndarray, members: list[RequestBuffers], arena: HostArena,
                  table: BlockTable) -> None:
@@ -214,37 +259,65 @@ class Outbox:
     """A thread that files steps once their copy is done and writes finished results; work runs
     in the order it is handed over. It alone touches the arena."""
 
-    def __init__(self, spill_dir: str | None, d_model: int, backlog_bytes: int = BACKLOG_BYTES):
+    def __init__(
+        self,
+        spill_dir: str | None,
+        d_model: int,
+        backlog_bytes: int = BACKLOG_BYTES,
+        *,
+        arena_max_bytes: int | None = None,
+        timeout_s: float = TIMEOUT_S,
+    ):
         self.spill_dir = spill_dir  # large results go through shared memory
         self.arena_layout = ArenaLayout.for_model(spill_dir, d_model) if spill_dir else None
-        self.arena = HostArena(self.arena_layout) if self.arena_layout is not None else None
+        self.arena = HostArena(self.arena_layout, max_bytes=arena_max_bytes) if self.arena_layout is not None else None
         self.table = BlockTable()
         self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers] | list[int]] = queue.SimpleQueue()
         self.busy_seconds = 0.0
         self.backlog_bytes = backlog_bytes
+        self.timeout_s = timeout_s
         self._queued_bytes = 0  # host rows handed over and not filed yet
+        # guards _queued_bytes and `failure`; once `failure` is set nothing more is queued
         self._filed = threading.Condition()
+        self.failure: str | None = None  # why the thread died
+        self._current: StepRows | tuple[str, RequestBuffers] | list[int] | None = None  # the item in hand
         self.wait_seconds = 0.0  # the step loop's, for a full backlog
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self._thread = threading.Thread(target=self._run, name="capserve-outbox", daemon=True)
+        self._thread = threading.Thread(target=self._guarded_run, name="capserve-outbox", daemon=True)
         self._thread.start()
 
     def put(self, rows: StepRows) -> None:
         """Queue a step's rows; while the rows not filed yet exceed the backlog the step loop
-        waits here (the GPU running ahead would only pile up pinned host memory)."""
+        waits here (the GPU running ahead would only pile up pinned host memory), at most
+        `timeout_s`: then these rows are dropped and their requests fail, and the step loop goes on."""
         size = rows.tensor.nbytes
         with self._filed:
-            if self._queued_bytes and self._queued_bytes + size > self.backlog_bytes:
+            if self.failure is None and self._queued_bytes and self._queued_bytes + size > self.backlog_bytes:
                 began = time.perf_counter()
-                self._filed.wait_for(lambda: not self._queued_bytes or self._queued_bytes + size <= self.backlog_bytes)
+                self._filed.wait_for(
+                    lambda: self.failure is not None or not self._queued_bytes or self._queued_bytes + size <= self.backlog_bytes,
+                    timeout=self.timeout_s,
+                )
                 self.wait_seconds += time.perf_counter() - began
+                if self.failure is None and self._queued_bytes and self._queued_bytes + size > self.backlog_bytes:
+                    _fail_all(rows.requests, "the worker's outbox thread did not file earlier rows in time "
+                              "(engine option outbox_timeout_s)", STUCK)
+                    return
+            if self.failure is not None:
+                _fail_all(rows.requests, self.failure, DEAD)
+                return
             self._queued_bytes += size
-        self._work.put(rows)
+            self._work.put(rows)
 
     def finish(self, name: str, buffers: RequestBuffers) -> None:
         """Queue the result of a request whose steps were all handed over (its files are named
         after `name`); `buffers.done` is set when it is ready."""
-        self._work.put((name, buffers))
+        with self._filed:
+            if self.failure is None:
+                self._work.put((name, buffers))
+                return
+        buffers.fail(self.failure, DEAD)
+        self._deliver(buffers, buffers.error_result())
 
     def release(self, blocks: list[int]) -> None:
         """Arena blocks whose rows the replica has read (or will never read)."""
@@ -264,6 +337,28 @@ class Outbox:
             "arena_bytes_in_use": arena.blocks_in_use * arena.layout.block_bytes if arena else 0,
         }
 
+    def _guarded_run(self) -> None:
+        """The thread: should it ever die, the requests it holds fail, and so do later ones."""
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - whatever kills the thread must not hang the engine core
+            self._die(f"the worker's outbox thread died ({exc!r}); captures on this replica fail until it restarts")
+
+    def _die(self, failure: str) -> None:
+        with self._filed:
+            self.failure = failure
+            self._filed.notify_all()  # a step loop waiting for backlog room goes on
+        # nothing is queued after `failure` is set: the item in hand and the queue are all that wait
+        item, self._current = self._current, None
+        while item is not None or not self._work.empty():
+            item = item if item is not None else self._work.get_nowait()
+            if isinstance(item, StepRows):
+                _fail_all(item.requests, failure, DEAD)
+            elif isinstance(item, tuple) and not item[1].done.is_set():
+                item[1].fail(failure, DEAD)
+                self._deliver(item[1], item[1].error_result())
+            item = None
+
     def _run(self) -> None:
         while True:
             try:
@@ -272,6 +367,7 @@ class Outbox:
                 if self.arena is not None:
                     self.arena.shrink()
                 continue
+            self._current = item
             if isinstance(item, StepRows) and item.event is not None:
                 item.event.synchronize()  # releases the GIL while the copy runs
             began = time.perf_counter()
@@ -281,6 +377,7 @@ class Outbox:
                 self.arena.release(item)
             else:
                 self._finish(*item)
+            self._current = None
             self.busy_seconds += time.perf_counter() - began
 
     def _file(self, rows: StepRows) -> None:
@@ -293,17 +390,30 @@ class Outbox:
 
     def _finish(self, name: str, buffers: RequestBuffers) -> None:
         try:
-            buffers.result = buffers.finish(self._spill_path(name), self.arena, self.table)
+            result = buffers.finish(self._spill_path(name), self.arena, self.table)
         except Exception as exc:  # e.g. shared memory full
-            buffers.result = {"error": f"capture could not be delivered: {exc!r}"}
-        finally:
+            result = {"error": f"capture could not be delivered: {exc!r}"}
+        self._deliver(buffers, result)
+
+    def _deliver(self, buffers: RequestBuffers, result: dict[str, Any]) -> None:
+        """Hand the result to `take`, or free it if `take` gave up waiting for it."""
+        with buffers.lock:
+            buffers.result = result
             buffers.done.set()
+            abandoned = buffers.abandoned
+        if abandoned:
+            self.discard(result)
 
     def _spill_path(self, name: str) -> Any:
         if not self.spill_dir:
             return None
         numbers = itertools.count()
         return lambda _array_name: os.path.join(self.spill_dir, f"{name}-{next(numbers)}.bin")
+
+
+def _fail_all(requests: list[RequestBuffers], failure: str, fault: str) -> None:
+    for buffers in requests:
+        buffers.fail(failure, fault)
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -166,13 +166,17 @@ def build_wire_plan(
     max_capture_bytes: int,
     steer_layers: set[int] | None = None,
     absent_kinds: Mapping[str, str] | None = None,
+    d_vocab: int | None = None,
+    max_set_edits: int | None = None,
 ) -> WirePlan | None:
-    """Validate everything that depends on the model and the prompt; None when nothing is asked."""
+    """Validate everything that depends on the model and the prompt; None when nothing is asked.
+    `d_vocab` is needed for requests that ask for logits; `max_set_edits` None: no limit."""
     capture, logits = request.capture, request.logits
     if capture is None and logits is None and not request.interventions:
         return None
     plan: WirePlan = {"key": key, "prompt_len": prompt_len}
     absent = absent_kinds or {}
+    parts: list[tuple[str, str, int, str]] = []  # (field, how, bytes, fix) of what the worker holds
     if capture is not None:
         points = [
             _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent) for i, name in enumerate(capture.hooks)
@@ -185,12 +189,10 @@ def build_wire_plan(
         rows = 1 if worker_reduces else count_positions(capture.positions, prompt_len, request.max_tokens)
         itemsize = 4 if wire_dtype == "float32" else 2
         size = rows * d_model * itemsize * len(points)
-        if size > max_capture_bytes:
-            raise PlanError(
-                f"capture: {len(points)} hooks x {rows} positions x {d_model} x {itemsize} bytes = "
-                f"{size} bytes, over the replica's max_capture_bytes={max_capture_bytes}; capture "
-                f"fewer hooks or positions, use reduce='mean' or dtype='bfloat16'"
-            )
+        parts.append((
+            "capture", f"{len(points)} hooks x {rows} positions x {d_model} x {itemsize} bytes", size,
+            "capture fewer hooks or positions, use reduce='mean' or dtype='bfloat16'",
+        ))
         plan["capture"] = {
             "sites": [[p.layer, p.kind, name] for p, name in zip(points, capture.hooks)],
             "max_rows": count_positions(capture.positions, prompt_len, request.max_tokens),
@@ -200,12 +202,48 @@ def build_wire_plan(
         }
     if logits is not None:
         check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
-        plan["logits"] = {
-            "positions": logits.positions,
-            "max_rows": count_positions(logits.positions, prompt_len, request.max_tokens),
-        }
+        if d_vocab is None:
+            raise ValueError("build_wire_plan: a request for logits needs d_vocab")
+        logits_rows = count_positions(logits.positions, prompt_len, request.max_tokens)
+        parts.append((
+            "logits", f"{logits_rows} positions x {d_vocab} x 4 bytes", logits_rows * d_vocab * 4, "ask for fewer logits positions",
+        ))
+        plan["logits"] = {"positions": logits.positions, "max_rows": logits_rows}
+    check_bytes(parts, request.n, max_capture_bytes)
     plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent)
+    if max_set_edits is not None:
+        _check_set_edits(request, max_set_edits)
     return plan
+
+
+def check_bytes(parts: list[tuple[str, str, int, str]], n: int, max_capture_bytes: int) -> None:
+    """What the worker holds for a request — activations and logits, for each of its n
+    completions (each runs and captures in full; the first is returned) — against the cap."""
+    total = sum(size for _, _, size, _ in parts) * n
+    if total <= max_capture_bytes:
+        return
+    if len(parts) == 1:
+        terms = f"{parts[0][1]} = {parts[0][2]} bytes"
+    else:
+        terms = " + ".join(f"{name}: {how} = {size} bytes" for name, how, size, _ in parts)
+    if n > 1:
+        terms = f"({terms}) x n={n} completions (each captures in full)"
+    if n > 1 or len(parts) > 1:
+        terms += f" = {total} bytes"
+    fixes = [fix for _, _, _, fix in parts] + (["lower n"] if n > 1 else [])
+    raise PlanError(
+        f"{'/'.join(name for name, *_ in parts)}{'/n' if n > 1 else ''}: {terms}, over the replica's "
+        f"max_capture_bytes={max_capture_bytes}; {', '.join(fixes)}"
+    )
+
+
+def _check_set_edits(request: GenerateRequest, max_set_edits: int) -> None:
+    sets = [i for i, edit in enumerate(request.interventions) if edit.op == "set"]
+    if len(sets) > max_set_edits:
+        raise PlanError(
+            f"interventions[{sets[max_set_edits]}]: {len(sets)} `set` interventions in one request; this "
+            f"replica takes at most {max_set_edits} (engine option max_set_edits)"
+        )
 
 
 def _armed_point(

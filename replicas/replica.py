@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
 from replicas.cost import request_cost
 from replicas.errors import CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
+from replicas.error_messages import quiet_client_errors
+from replicas.lifeline import engine_processes
 from replicas.validation import validated
 
 logger = logging.getLogger("capserve.replica")
@@ -104,6 +106,7 @@ class EngineReplica:
     ) -> None:
         from replicas.engine import EngineConfig
 
+        quiet_client_errors()  # Serve would log each bad request as an ERROR with a traceback
         self._options = options if isinstance(options, ReplicaOptions) else ReplicaOptions.model_validate(options or {})
         config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
         self._identity = _serve_identity()
@@ -147,8 +150,13 @@ class EngineReplica:
         }
 
     async def identity(self) -> dict[str, Any]:
-        """Who this replica is, including the engine's process ids (tests kill them)."""
-        return {**self._identity, "pid": os.getpid(), "engine_pids": _child_pids()}
+        """Who this replica is, with its engine's process ids (tests kill them and check they die)."""
+        return {
+            **self._identity,
+            "pid": os.getpid(),
+            "engine_pids": engine_processes(self._engine.engine_pids()),
+            "spill_dir": getattr(self._engine, "spill_dir", None),
+        }
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising marks the replica unhealthy."""
@@ -237,14 +245,17 @@ def _serve_identity() -> dict[str, Any]:
 
         context = serve.get_replica_context()
     except Exception:  # outside Serve: a plain object in a test
-        return {"replica": f"local-{os.getpid()}", "actor_name": None, "local_rank": 0}
+        return {"replica": f"local-{os.getpid()}", "actor_name": None, "local_rank": 0, "node_id": None, "gpu_ids": []}
     import ray
 
     rank = getattr(context, "rank", None)
+    runtime = ray.get_runtime_context()
     return {
         "replica": context.replica_id.unique_id,
-        "actor_name": ray.get_runtime_context().get_actor_name(),
+        "actor_name": runtime.get_actor_name(),
         "local_rank": getattr(rank, "local_rank", 0) or 0,
+        "node_id": runtime.get_node_id(),
+        "gpu_ids": runtime.get_accelerator_ids().get("GPU", []),
     }
 
 
@@ -267,10 +278,3 @@ def _resolve_model(model: str) -> str:
     from replicas.tiny import make_tiny_model
 
     return make_tiny_model(model.removeprefix(TINY_PREFIX) or "llama")
-
-
-def _child_pids() -> list[dict[str, Any]]:
-    import psutil
-
-    children = psutil.Process().children(recursive=True)
-    return [{"pid": c.pid, "name": c.name()} for c in children]

@@ -34,8 +34,10 @@ class Entry:
     handle: int
     buffers: RequestBuffers | None  # None when it captures nothing
     slots: list[tuple[int, int, bytes]] = field(default_factory=list)  # (site id, stage, table row) it holds
+    group: int = -1  # its capture group while it holds one (the collector's, see Collector.group)
     finishing: bool = False
     error: str | None = None
+    replica_fault: str = ""  # see RequestBuffers.replica_fault
 
 
 class Columns:
@@ -133,7 +135,7 @@ class RequestTable:
     def admit(self, req_id: str, plan: RequestPlan, buffers: RequestBuffers | None, group: int) -> Entry:
         """Give the request a handle and fill its columns; `group` is its capture group."""
         handle = self.columns.allocate()
-        entry = Entry(plan, f"{plan.key}-{next(self.names)}", handle, buffers)
+        entry = Entry(plan, f"{plan.key}-{next(self.names)}", handle, buffers, group=group)
         self.requests[req_id] = entry
         self.by_key.setdefault(plan.key, []).append(req_id)
         self.handle_of[req_id] = handle
@@ -147,10 +149,10 @@ class RequestTable:
             columns["logits"][handle] = mode_code(plan.logits_positions)
         return entry
 
-    def fail(self, entry: Entry, error: str) -> None:
-        """The request runs on, unsteered and capturing nothing: no row may point at the slots it
-        gave back, and its result is the error."""
-        entry.error = error
+    def fail(self, entry: Entry, error: str, replica_fault: str = "") -> None:
+        """The request runs on, unsteered and capturing nothing: no row may point at the slots or
+        the capture group it gave back, and its result is the error."""
+        entry.error, entry.replica_fault, entry.group = error, replica_fault, -1
         self.columns.reset(entry.handle)
         self.columns["prompt_len"][entry.handle] = entry.plan.prompt_len
         entry.buffers = None

@@ -12,9 +12,14 @@ One stage of the per-row edit, for slot s of the row (all read from one table ro
     h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
 (a row holds one op, so |h| is the stage's input norm and one reduction pass serves both sums;
 the stage computes in float32 and rounds once to the model dtype)
-    h = values[row] where set_stage[row] == stage  # set (activation patching)
+    h = values[set_row[row]] where set_stage[row] == stage  # set (activation patching)
 Inside a compiled graph the stage fuses to a gather, one reduction and pointwise work.
 Rows whose slot is 0 come out bit-identical.
+
+The `set` values live in one buffer that every site shares ([max_set_edits x max_tokens, d]):
+a row of the step belongs to one request, which carries at most `max_set_edits` set edits, so
+its j-th set edit reads row `row * max_set_edits + j` whatever the site — no two sites' values
+ever share a row, and the buffer never moves (graph-safe).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Site(nn.Module):
         capture: bool,
         dtype: torch.dtype,
         device: torch.device,
+        values: torch.Tensor | None = None,
     ):
         super().__init__()
         self.point = point
@@ -74,7 +80,10 @@ class Site(nn.Module):
             self.register_buffer("table", table, persistent=False)
             self.register_buffer("slot", buffer(edit_stages, max_tokens, kind=torch.long), persistent=False)
             self.register_buffer("set_stage", buffer(max_tokens, fill=-1, kind=torch.long), persistent=False)
-            self.register_buffer("values", buffer(max_tokens, d_model), persistent=False)
+            self.register_buffer("set_row", buffer(max_tokens, kind=torch.long), persistent=False)
+            if values is None:
+                raise ValueError("a site that takes edits needs the shared `set` values buffer (replicas.blocks)")
+            self.register_buffer("values", values, persistent=False)  # shared by every site: see the docstring
         if capture:
             self.register_buffer("staging", torch.zeros(max_tokens, d_model, dtype=dtype, device=device), persistent=False)
         self.d_model = d_model
@@ -104,7 +113,8 @@ class Site(nn.Module):
         x = (x - dot * direction) * factor
         # the norm enters only rows whose op asked for it
         x = x + add * (add_coef + torch.where(norm_coef != 0, norm_coef * norm, 0.0))
-        return torch.where((self.set_stage[:n] == stage).unsqueeze(-1), self.values[:n], x.to(h.dtype))
+        values = self.values.index_select(0, self.set_row[:n])
+        return torch.where((self.set_stage[:n] == stage).unsqueeze(-1), values, x.to(h.dtype))
 
 
 def identity_row(d_model: int) -> np.ndarray:

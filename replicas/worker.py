@@ -31,9 +31,11 @@ import numpy as np
 
 from replicas import _vllm
 from replicas.blocks import SiteOptions, install_sites
-from replicas.collector import Collector
+from replicas.collector import MAX_STEP_BYTES, Collector
 from replicas.edit_table import EditTable
-from replicas.outbox import Outbox, RequestBuffers
+from replicas.lifeline import Owner, watch_owner
+from replicas.outbox import TIMEOUT_S as OUTBOX_TIMEOUT_S
+from replicas.outbox import DEAD, Outbox, RequestBuffers
 from replicas.plans import PLAN_KEY
 from replicas.request_table import NEW, UNPLANNED, Batch, Entry, RequestTable
 
@@ -51,10 +53,18 @@ class _CaptureState:
         self.sites = install_sites(
             self.layout, site_options, max_tokens=_vllm.max_num_tokens(runner), dtype=model_dtype, device=self.device
         )
-        self.outbox = Outbox(options.get("spill_dir"), self.layout.d_model)
+        self.outbox = Outbox(
+            options.get("spill_dir"), self.layout.d_model, arena_max_bytes=options.get("arena_max_bytes"),
+            timeout_s=float(options.get("outbox_timeout_s", OUTBOX_TIMEOUT_S)),
+        )
         self.table = RequestTable()
-        self.edits = EditTable(self.sites, site_options.edit_slots, self.device)
-        self.collector = Collector(runner, self.sites, self.layout.vocab_size, self.device, self.outbox)
+        self.edits = EditTable(self.sites, site_options.edit_slots, self.device, site_options.max_set_edits)
+        self.collector = Collector(
+            runner, self.sites, self.layout.vocab_size, self.device, self.outbox,
+            max_step_bytes=int(options.get("max_step_temp_bytes", MAX_STEP_BYTES)),
+        )
+        # results of the latest take RPC, kept until the next one says whether the replica got them
+        self.delivered: dict[int, dict[str, list[dict[str, Any]]]] = {}
         self._batch: Batch | None = None
         self.steps = 0
         self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0}
@@ -105,18 +115,28 @@ class _CaptureState:
         buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size, self.outbox.arena_layout) if returns_data else None
         group = -1 if plan.capture is None else self.collector.group(plan.capture)
         entry = self.table.admit(req_id, plan, buffers, group)
+        if returns_data and self.outbox.failure is not None:  # nothing it captures could be delivered
+            self._fail(entry, self.outbox.failure, DEAD)
+            return entry.handle
         try:
             self.edits.assign(entry, self.table.columns)
         except Exception as exc:
-            self.edits.free_slots_of(entry)
-            self.table.fail(entry, f"interventions could not be installed: {exc}")
+            self._fail(entry, f"interventions could not be installed: {exc}")
         return entry.handle
+
+    def _fail(self, entry: Entry, error: str, replica_fault: str = "") -> None:
+        """The request runs on unsteered, capturing nothing; its result is the error."""
+        self.edits.free_slots_of(entry)
+        self.collector.release_group(entry.group)
+        self.table.fail(entry, error, replica_fault)
 
     def _retire(self, req_id: str, entry: Entry) -> None:
         """The request will run no more steps: free its slots and handle, queue its result."""
         if not self.table.retire(req_id, entry):
             return
         self.edits.free_slots_of(entry)
+        self.collector.release_group(entry.group)
+        entry.group = -1
         if entry.buffers is not None and entry.error is None:
             self.outbox.finish(entry.name, entry.buffers)
 
@@ -131,14 +151,35 @@ class _CaptureState:
             if entry.buffers is None and entry.error is None:
                 self.table.forget(req_id)
 
-    def take(self, key: str) -> list[dict[str, Any]]:
+    def take_many(
+        self, keys: list[str], released: list[int], call: int | None, abandoned: list[int]
+    ) -> dict[str, list[dict[str, Any]]]:
+        """One take RPC. The replica numbers its calls; `abandoned` are earlier calls whose answer
+        it never got (timed out): what they delivered goes back here. Every other earlier call
+        was answered, so only this call's results are kept until the next."""
+        self.outbox.release(released)
+        for old in abandoned:
+            for results in self.delivered.pop(old, {}).values():
+                for result in results:
+                    self.outbox.discard(result)
+        self.delivered.clear()
+        taken: dict[str, list[dict[str, Any]]] = {}
+        if call is not None:
+            self.delivered[call] = taken  # filled as it goes: a call that fails half way is freed too
+        deadline = time.monotonic() + self.outbox.timeout_s  # one wait for the whole call
+        for key in keys:
+            taken[key] = self.take(key, deadline)
+        return taken
+
+    def take(self, key: str, deadline: float | None = None) -> list[dict[str, Any]]:
         """What the request with this key captured — from its first completion when n > 1, as
         GenerateRequest.n documents — then forget every completion of it."""
+        deadline = time.monotonic() + self.outbox.timeout_s if deadline is None else deadline
         with self._timed("take"):
             entries = self.table.close(key)
             for req_id, entry in entries:
                 self._retire(req_id, entry)
-            results = [_result(entry) for _, entry in entries]
+            results = [_result(entry, deadline) for _, entry in entries]
             for sibling in results[1:]:
                 self.outbox.discard(sibling)
             return results[:1]
@@ -148,6 +189,7 @@ class _CaptureState:
             "steps": self.steps,
             "rows_captured": self.collector.rows_captured,
             "requests_held": len(self.table.requests),
+            "capture_groups": self.collector.live_groups,
             "bytes_held": self.table.bytes_held(),
             # worker time outside the forward, for profiling; "outbox" runs on its own thread
             "seconds": dict(self.seconds, outbox=self.outbox.busy_seconds, backlog_wait=self.outbox.wait_seconds),
@@ -156,19 +198,21 @@ class _CaptureState:
         }
 
 
-def _result(entry: Entry) -> dict[str, Any]:
+def _result(entry: Entry, deadline: float) -> dict[str, Any]:
     if entry.error is not None:
-        return {"error": entry.error}
+        return {"error": entry.error, "replica_fault": entry.replica_fault}
     if entry.buffers is None:  # it only edited, and its edits were installed
         return {"error": None, "positions": [], "activations": {}, "logits": None, "logits_positions": []}
-    entry.buffers.done.wait()
-    return entry.buffers.result
+    return entry.buffers.wait(deadline - time.monotonic())
 
 
 class _CaptureWorkerMixin:
     """Methods capserve adds to vLLM's worker (all `capserve_`-prefixed)."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
+        options = _vllm.capserve_options(self.vllm_config)  # type: ignore[attr-defined]
+        if options.get("owner"):  # from here on, the engine dies with its replica
+            watch_owner(Owner(**options["owner"]), options.get("spill_dir"))
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         self.capserve_install()
 
@@ -176,10 +220,12 @@ class _CaptureWorkerMixin:
         options = _vllm.capserve_options(self.vllm_config)  # type: ignore[attr-defined]
         self.capserve_state = _CaptureState(_vllm.worker_runner(self), options)
 
-    def capserve_take(self, keys: list[str], released: list[int] | None = None) -> dict[str, list[dict[str, Any]]]:
-        """The results of these keys; `released`: arena blocks the replica has read."""
-        self.capserve_state.outbox.release(released or [])
-        return {key: self.capserve_state.take(key) for key in keys}
+    def capserve_take(
+        self, keys: list[str], released: list[int] | None = None, call: int | None = None, abandoned: list[int] | None = None
+    ) -> dict[str, list[dict[str, Any]]]:
+        """The results of these keys; `released`: arena blocks the replica has read; `call` numbers
+        this RPC and `abandoned` lists earlier ones whose answer the replica never got."""
+        return self.capserve_state.take_many(keys, released or [], call, abandoned or [])
 
     def capserve_stats(self) -> dict[str, Any]:
         return self.capserve_state.stats()

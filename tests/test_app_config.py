@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
-from deploy.app import build_app, replica_scaling, router_capacity, serve_replica_limit
-from deploy.config import API_KEY_ENV, AppArgs, resolve_api_key, router_config
+from deploy.app import build_app, replica_scaling, router_capacity, serve_replica_limit, warn_if_open
+from deploy.config import API_KEY_ENV, AppArgs, read_api_key, resolve_api_key, router_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,13 +55,73 @@ def test_defaults_serve_the_tiny_model_on_two_cpu_replicas():
     assert isinstance(build_app({"num_replicas": 1}), Application)
 
 
-def test_api_key_comes_from_args_or_the_environment(monkeypatch):
+def test_placement_resources_and_autoscaling_delays_reach_the_deployments():
+    app = build_app({"device": "cpu", "replica_resources": {"engine_node": 1}, "router_resources": {"head": 0.5},
+                     "autoscaling": {"max_replicas": 3, "upscale_delay_s": 2, "downscale_delay_s": 7, "look_back_period_s": 3}})
+    router = app._bound_deployment
+    replicas = router.init_args[0]._bound_deployment
+    assert router.ray_actor_options == {"num_cpus": 0, "resources": {"head": 0.5}}
+    assert replicas.ray_actor_options["resources"] == {"engine_node": 1.0}
+    scaling = replicas._deployment_config.autoscaling_config
+    assert (scaling.max_replicas, scaling.upscale_delay_s, scaling.downscale_delay_s, scaling.look_back_period_s) == (3, 2, 7, 3)
+
+
+def test_api_key_comes_from_the_environment_or_a_file_never_from_args(monkeypatch, tmp_path):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert resolve_api_key(AppArgs()) is None
+    assert resolve_api_key(AppArgs()) is None and read_api_key(router_config(AppArgs())) is None
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert resolve_api_key(AppArgs()).get_secret_value() == "from-env"
-    assert router_config(AppArgs(api_key="from-args")).api_key.get_secret_value() == "from-args"
-    assert "from-args" not in repr(AppArgs(api_key="from-args"))  # never printed in logs
+    assert read_api_key(router_config(AppArgs())).get_secret_value() == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    config = router_config(AppArgs(api_key_file=str(key_file)))
+    assert read_api_key(config).get_secret_value() == "from-file"  # the file wins; whitespace stripped
+    assert "from-env" not in repr(config)
+
+
+def test_an_api_key_argument_is_refused_and_the_error_says_where_it_goes():
+    with pytest.raises(ValidationError) as info:
+        AppArgs.model_validate({"api_key": "tok-77777777"})
+    message = str(info.value)
+    assert "api_key cannot be an app argument" in message and API_KEY_ENV in message and "api_key_file" in message
+    assert "tok-77777777" not in message
+    with pytest.raises(ValidationError, match="api_key cannot be an app argument"):
+        build_app({"api_key": None})  # even empty: the key has no place in args
+
+
+def test_an_unreadable_or_empty_key_file_fails_the_router_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"api_key_file='.*missing'.*cannot read it on the Router's node"):
+        read_api_key(router_config(AppArgs(api_key_file=str(tmp_path / "missing"))))
+    (tmp_path / "empty").write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_api_key(router_config(AppArgs(api_key_file=str(tmp_path / "empty"))))
+
+
+def test_more_than_one_router_replica_is_refused():
+    with pytest.raises(ValidationError, match=r"router_replicas=2: only 1 is supported.*own cost ledger"):
+        AppArgs(router_replicas=2)
+    assert AppArgs(router_replicas=1).router_replicas == 1
+
+
+def test_a_public_bind_without_a_key_is_warned_about(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    caplog.set_level("WARNING", logger="capserve.app")
+    assert warn_if_open(AppArgs(http_host="0.0.0.0")) is True
+    assert "http_host=0.0.0.0 listens beyond this machine and no API key is set" in caplog.text
+    assert warn_if_open(AppArgs(http_host="127.0.0.1")) is False
+    assert warn_if_open(AppArgs(http_host="::1")) is False and warn_if_open(AppArgs(http_host="localhost")) is False
+    assert warn_if_open(AppArgs(http_host="0.0.0.0", api_key_file=str(tmp_path / "k"))) is False
+    monkeypatch.setenv(API_KEY_ENV, "k")
+    assert warn_if_open(AppArgs(http_host="10.1.2.3")) is False
+
+
+def test_deadlines_default_and_an_attempt_cannot_outlive_its_request():
+    routing = AppArgs().routing
+    assert (routing.request_timeout_s, routing.attempt_timeout_s, routing.attempt_limit_s) == (600.0, None, 300.0)
+    assert AppArgs(routing={"request_timeout_s": 10, "attempt_timeout_s": 4}).routing.attempt_limit_s == 4
+    with pytest.raises(ValidationError, match=r"routing.attempt_timeout_s=20.0 exceeds routing.request_timeout_s=10.0"):
+        AppArgs(routing={"request_timeout_s": 10, "attempt_timeout_s": 20})
+    with pytest.raises(ValidationError, match="request_timeout_s"):
+        AppArgs(routing={"request_timeout_s": 0})
 
 
 def test_serve_config_yaml_is_valid_for_serve_and_for_build_app():
@@ -74,3 +134,6 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_build_app():
     by_name = {d["name"]: d for d in config["applications"][0]["deployments"]}
     assert set(by_name) == {"EngineReplica", "Router"}
     assert by_name["EngineReplica"]["max_ongoing_requests"] >= serve_replica_limit(args)
+    assert by_name["Router"]["num_replicas"] == 1
+    # the proxy must not cut an HTTP request before the router's own deadline answers it with a 504
+    assert config["http_options"]["request_timeout_s"] > args.routing.request_timeout_s

@@ -6,6 +6,7 @@ needed more of it."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -156,10 +157,10 @@ def test_a_full_shared_memory_fails_only_the_requests_that_needed_more(host, mon
     host.step([(holding, 256)], rng)
     held = host.arena.blocks_in_use
 
-    monkeypatch.setattr(host.arena, "max_chunks", host.arena.chunks)  # the file system is full
+    monkeypatch.setattr(host.arena, "max_chunks", host.arena.chunks)  # the arena is at its limit
     needy = [host.buffers(request_plan(prompt_len=256, max_tokens=1)) for _ in range(CHUNK_BLOCKS // 24)]
     host.step([(small, 10), *((b, 256) for b in needy)], rng)
-    assert all("fills" in b.error for b in needy)
+    assert all("arena is full" in b.error and "arena_max_bytes" in b.error for b in needy)
     assert small.error is None and holding.error is None
     for buffers in needy:  # their blocks go back
         assert buffers.finish(None, host.arena, host.table)["error"].startswith("capture could not be stored")
@@ -225,3 +226,116 @@ def test_the_step_loop_waits_while_the_backlog_of_unfiled_rows_is_full():
     assert not blocked.is_alive()
     outbox.finish("b1", buffers[1])
     assert buffers[1].done.wait(10) and outbox.wait_seconds > 0
+
+
+def test_the_arena_never_grows_past_its_limit(tmp_path):
+    """A limit below a chunk shrinks the chunk; past the limit a request fails naming the option,
+    and the file never reserves more than the limit."""
+    layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)  # 1 KiB blocks
+    arena = HostArena(layout, max_bytes=100 << 10)
+    assert (arena.chunk_blocks, arena.max_chunks) == (100, 1)
+    assert len(arena.allocate(100)) == 100
+    with pytest.raises(OSError, match=r"arena is full: 102400 bytes in use, its limit is 102400 bytes \(engine option arena_max_bytes\)"):
+        arena.allocate(1)
+    assert os.stat(layout.path).st_size == 100 << 10 and shm_bytes_of(layout.path) == 100 << 10
+
+
+def shm_bytes_of(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_the_default_arena_limit_is_a_fair_share_of_the_file_system(monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from replicas import arena
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 30, 0, 64 << 30))
+    monkeypatch.setattr(arena, "node_gpu_count", lambda: 8)
+    assert arena.arena_limit_bytes("/dev/shm", None) == 4 << 30  # half of it over 8 GPUs
+    monkeypatch.setattr(arena, "node_gpu_count", lambda: 0)
+    assert arena.arena_limit_bytes("/dev/shm", None) == 16 << 30  # CPU: half of it over two shares
+    assert arena.arena_limit_bytes("/dev/shm", 1 << 20) == 1 << 20
+    assert arena.arena_limit_bytes("/dev/shm", 1 << 40) == 64 << 30  # never more than there is
+    assert arena.arena_geometry(4 << 30, 512 << 10) == (256, 32)
+
+
+class SlowCopy:
+    """A CUDA event whose copy ends when the test says so."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def synchronize(self):
+        self.done.wait()
+
+
+class FailedCopy:
+    """A CUDA event whose wait raises: what kills an unguarded outbox thread."""
+
+    def synchronize(self):
+        raise RuntimeError("copy failed")
+
+
+def step_rows(buffers, copy, rows=10, first=0):
+    data = torch.ones(len(HOOKS), rows, D_MODEL)
+    buffers.n_rows = first + rows
+    return StepRows("rows", data, copy, [buffers], np.array([0]), np.array([rows]), np.array([first]))
+
+
+def test_a_dead_outbox_thread_fails_the_requests_it_holds_and_every_later_one_at_once():
+    from replicas.errors import OUTBOX_DEAD
+    from replicas.outbox import Outbox
+
+    outbox = Outbox(None, D_MODEL)
+    plan = request_plan(prompt_len=10, max_tokens=1)
+    held, later = (RequestBuffers.for_plan(plan, D_MODEL, 16, None) for _ in range(2))
+    outbox.put(step_rows(held, FailedCopy()))
+    outbox.finish("held", held)
+    assert held.done.wait(10), "the request the dead thread held was never answered"
+    assert held.result["replica_fault"] == OUTBOX_DEAD
+    assert "outbox thread died (RuntimeError('copy failed'))" in held.result["error"]
+    outbox.put(step_rows(later, None))  # nothing waits for a dead thread
+    outbox.finish("later", later)
+    assert later.done.is_set() and later.result == held.result
+
+
+def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_path):
+    """`take` gives up after the timeout; the outbox then frees the arena blocks of the result
+    nobody will read."""
+    from replicas.errors import OUTBOX_STUCK
+    from replicas.outbox import Outbox
+
+    outbox = Outbox(str(tmp_path), D_MODEL, timeout_s=0.1)
+    buffers = RequestBuffers.for_plan(request_plan(prompt_len=64, max_tokens=1), D_MODEL, 16, outbox.arena_layout)
+    assert buffers.rows_per_block  # it files into the arena
+    copy = SlowCopy()
+    outbox.put(step_rows(buffers, copy, rows=64))
+    outbox.finish("stuck", buffers)
+    result = buffers.wait(0.1)
+    assert result["replica_fault"] == OUTBOX_STUCK and "outbox_timeout_s" in result["error"]
+    copy.done.set()
+    assert buffers.done.wait(10)
+    stats = outbox.stats()
+    for _ in range(100):  # the blocks go back through the outbox's queue
+        if not (stats := outbox.stats())["arena_bytes_in_use"]:
+            break
+        threading.Event().wait(0.05)
+    assert stats["arena_bytes"] > 0 and stats["arena_bytes_in_use"] == 0
+
+
+def test_a_step_loop_waiting_for_backlog_room_gives_up_and_fails_those_rows():
+    from replicas.errors import OUTBOX_STUCK
+    from replicas.outbox import Outbox
+
+    outbox = Outbox(None, D_MODEL, backlog_bytes=2000, timeout_s=0.1)
+    plan = request_plan(prompt_len=20, max_tokens=1)
+    first, second = (RequestBuffers.for_plan(plan, D_MODEL, 16, None) for _ in range(2))
+    outbox.put(step_rows(first, SlowCopy(), rows=20))  # 1,920 bytes whose copy never ends
+    waiting = threading.Thread(target=outbox.put, args=(step_rows(second, None),))
+    waiting.start()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive(), "the step loop waited for the outbox forever"
+    assert second.replica_fault == OUTBOX_STUCK and "did not file earlier rows in time" in second.error
+    assert first.error is None

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.load import wait_engine_gone
 from provider.shards import Capture, finished_shards, load_capture
 
 pytestmark = pytest.mark.serve
@@ -194,14 +195,8 @@ def test_killing_a_replica_mid_run_costs_retries_not_rows(app, source, reference
     wait_for(victim_busy, "the first shard while the victim holds requests", process)
     ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
     killed_at = len(finished_shards(out))
-    try:
-        assert process.wait(timeout=900) == 0, (tmp_path / "replica_lost.log").read_text()[-4000:]
-    finally:
-        for pid in [p["pid"] for p in victim["engine_pids"]]:  # the engine processes it left behind
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    assert process.wait(timeout=900) == 0, (tmp_path / "replica_lost.log").read_text()[-4000:]
+    wait_engine_gone(victim)
     assert killed_at < 20  # shards were still to come when the replica died
     got = load_capture(out)
     assert_same_capture(got, reference)

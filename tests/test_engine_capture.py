@@ -11,6 +11,7 @@ import pytest
 
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS, FINAL_NORM_HOOK
+from replicas.lifeline import OWNER_FILE
 from tests.conftest import ACTIVATION_TOL, ARCHS, MAX_NUM_BATCHED_TOKENS, assert_close
 from tests.hf_reference import hf_activations
 
@@ -169,6 +170,11 @@ BAD_REQUESTS = {
     "unknown position mode": ({"capture": {"hooks": ["0:resid_pre"], "positions": "middle"}}, "capture.positions"),
     "index past the sequence": ({"capture": {"hooks": ["0:resid_pre"], "positions": [40]}}, "capture.positions"),
     "capture over the byte cap": ({"max_tokens": 400, "capture": {"hooks": all_hooks(4)}}, "max_capture_bytes"),
+    # each under the 2 MiB cap alone: 12 hooks x 309 rows x 512 bytes, and 309 rows of logits
+    "capture and logits over the byte cap": ({"max_tokens": 300, "capture": {"hooks": all_hooks(4)[:12]},
+                                              "logits": {"positions": "all"}}, "capture/logits:"),
+    "n completions over the byte cap": ({"n": 2, "temperature": 1.0, "max_tokens": 100, "capture": {"hooks": all_hooks(4)}},
+                                        "x n=2 completions (each captures in full)"),
     "prompt too long": ({"prompt": [5] * 497, "max_tokens": 30}, "max_model_len"),
     "token id outside vocab": ({"prompt": [5, 100000]}, "vocabulary"),
     "unknown field": ({"capture": {"hooks": ["0:resid_pre"], "layers": [1]}}, "capture.layers"),
@@ -198,15 +204,17 @@ def test_requests_without_capture_leave_nothing_behind(loop, engines):
     loop.run(engine.generate({"prompt": prompt_ids(5, 8), "max_tokens": 2}))
     stats = loop.run(settled_stats(engine))
     assert stats["requests_held"] == 0 and stats["bytes_held"] == 0 and stats["arena_bytes_in_use"] == 0
+    assert stats["capture_groups"] == 0  # a capture group lives only while a request uses it
     # the arena is mapped by the worker and the replica only: a killed engine leaves no file behind
-    assert os.listdir(engine.spill_dir) == []
+    # but the note of who owns the folder (for the sweep of folders whose replica is gone)
+    assert os.listdir(engine.spill_dir) == [OWNER_FILE]
 
 
 async def settled_stats(engine, timeout_s: float = 10.0) -> dict:
     """The worker's counters once the arena blocks read by the replica are back (they return with
     the next take RPC, asynchronously), or after timeout_s as they are."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while (stats := await engine.check_health())["arena_bytes_in_use"] and asyncio.get_running_loop().time() < deadline:
+    while (stats := await engine.stats())["arena_bytes_in_use"] and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
     return stats
 
@@ -219,7 +227,7 @@ def test_cancelled_request_frees_its_state(loop, engines):
             engine.generate({"prompt": prompt_ids(20, 3), "max_tokens": 480, "ignore_eos": True, "capture": {"hooks": ["0:resid_pre"]}})
         )
         # cancel once the worker holds the request's rows (a GPU runs all 480 steps in about a second)
-        while (await engine.check_health())["requests_held"] == 0:
+        while (await engine.stats())["requests_held"] == 0:
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -235,9 +243,9 @@ def test_cancelled_request_frees_its_state(loop, engines):
 def test_step_preparation_runs_on_every_step(loop, engines):
     """The fire counter: one prefill step plus one per fed generated token, CUDA graphs or not."""
     engine = engines["llama"]
-    before = loop.run(engine.check_health())["steps"]
+    before = loop.run(engine.stats())["steps"]
     loop.run(engine.generate({"prompt": prompt_ids(12, 13), "max_tokens": 10, "ignore_eos": True}))
-    assert loop.run(engine.check_health())["steps"] - before == 10
+    assert loop.run(engine.stats())["steps"] - before == 10
 
 
 def test_n_completions_capture_follows_the_first(loop, engines):

@@ -292,3 +292,29 @@ def test_an_edit_of_generated_rows_on_a_prompt_prefilled_in_chunks(loop, engines
     reference = hf_edits([edits[0] | {"positions": "generated"}], len(prompt))
     assert result.token_ids == hf_greedy(path, prompt, 4, edits=reference)
     assert_close(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)
+
+
+def test_set_at_two_layers_of_two_requests_in_one_batch_matches_hf(loop, engines, tiny_models):
+    """Every steered site reads `set` values from one buffer they share: A patches the same rows
+    at two layers, B patches two other hooks in the same batch; each must equal HF alone."""
+    engine, path = engines["llama"], tiny_models["llama"]
+    rng = np.random.default_rng(12)
+
+    def patch(hook: str, positions, n_rows: int) -> dict:
+        return {"hook": hook, "op": "set", "positions": positions, "values": rng.standard_normal((n_rows, D_MODEL)).astype(np.float32)}
+
+    prompts = {"A": prompt_ids(8, seed=90), "B": prompt_ids(9, seed=91)}
+    edits = {
+        "A": [patch("blocks.1.hook_resid_post", [1, 3, -1], 3), patch("blocks.2.hook_mlp_out", [1, 3, -1], 3)],
+        "B": [patch("blocks.1.hook_resid_post", [0, 2], 2), patch("blocks.0.hook_attn_out", "prompt", 9)],
+    }
+    base = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(base | {"prompt": prompts[n], "interventions": edits[n]}) for n in "AB"))
+
+    for name, result in zip("AB", loop.run(together())):
+        reference = hf_edits(edits[name], len(prompts[name]))
+        assert result.token_ids == hf_greedy(path, prompts[name], 4, edits=reference), name
+        fed = prompts[name] + result.token_ids[:-1]
+        assert_close(result.logits, hf_logits(path, fed, edits=reference), atol=LOGIT_TOL, rtol=0, err_msg=name)

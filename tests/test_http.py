@@ -1,9 +1,14 @@
-"""HTTP pieces without Serve: bearer check, body limit, JSON parsing, result encodings, errors."""
+"""HTTP without a cluster: the pieces (bearer check, body limit, JSON, encodings, errors), and the
+whole FastAPI app in front of a Router on a fake replica pool (Serve's replica context faked, so
+the class-based views resolve `self` as they do in a replica)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,8 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from safetensors.numpy import load as load_safetensors
 
+from deploy import http
+from deploy.config import RouterConfig
 from deploy.http import (
+    OPEN_PATHS,
     HttpError,
+    HttpRouter,
     api,
     check_bearer,
     encode_result,
@@ -21,9 +30,20 @@ from deploy.http import (
     read_body,
     to_safetensors,
 )
+from deploy.readiness import FleetStates
 from replicas import arrays
-from replicas.api import GenerateResult
-from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
+from replicas.api import GenerateRequest, GenerateResult
+from replicas.errors import (
+    BackPressureError,
+    CaptureFailedError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    ReplicaUnavailableError,
+)
+from tests.test_router import ANSI_RED, FakePool, remote
+
+KEY = "k-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def result() -> GenerateResult:
@@ -98,8 +118,8 @@ def test_safetensors_results_hold_arrays_and_the_other_fields():
         (InvalidRequestError("capture.hooks[0]: unknown hook"), 422),
         (BackPressureError("queue full"), 503),
         (ReplicaUnavailableError("all died"), 503),
+        (DeadlineExceededError("no result within routing.request_timeout_s=1 s"), 504),
         (CaptureFailedError("worker"), 500),
-        (RuntimeError("boom"), 500),
     ],
 )
 def test_errors_map_to_status_codes_and_keep_the_message(exc, status):
@@ -110,6 +130,30 @@ def test_errors_map_to_status_codes_and_keep_the_message(exc, status):
         assert response.headers["retry-after"] == "1"
 
 
+def test_an_internal_error_says_only_its_type_and_is_logged_on_the_router(caplog):
+    caplog.set_level(logging.ERROR, logger="capserve.http")
+    response = error_response(RuntimeError("boom at /srv/secret/path pid=77"))
+    assert response.status_code == 500
+    assert json.loads(response.body)["error"] == {
+        "type": "internal", "message": "internal error (RuntimeError); the router's log has the details"}
+    assert "boom" in caplog.text and caplog.records[0].exc_info  # the details stay in the router's log
+
+
+def test_a_remote_invalid_request_keeps_its_message_and_loses_ray_s_traceback_pid_and_colours(caplog):
+    caplog.set_level(logging.WARNING, logger="capserve.http")
+    message = "capture.hooks[0]: layer 9 is out of range; allowed layers: 0..3"
+    wrapped = remote(InvalidRequestError(message))
+    assert "pid=4242, ip=10.4.5.6" in str(wrapped) and ANSI_RED in str(wrapped)  # what Ray's text carries
+    response = error_response(wrapped)
+    body = json.loads(response.body)
+    assert response.status_code == 422 and body["error"] == {"type": "invalid_request", "message": message}
+    raw = response.body.decode()
+    for leak in ("Traceback", "pid=", "10.4.5.6", "\\u001b", ANSI_RED):
+        assert leak not in raw
+    (record,) = caplog.records  # one WARNING line, no traceback
+    assert record.levelno == logging.WARNING and record.exc_info is None and message in record.getMessage()
+
+
 def test_openapi_documents_the_endpoints_and_the_request_schema():
     schema = api.openapi()
     assert {"/v1/generate", "/v1/capture", "/v1/info", "/healthz"} <= set(schema["paths"])
@@ -118,3 +162,107 @@ def test_openapi_documents_the_endpoints_and_the_request_schema():
     components = schema["components"]["schemas"]
     assert "capture" in components["GenerateRequest"]["properties"] and "CaptureSpec" in components
     assert "self" not in json.dumps(schema["paths"]["/v1/generate"])  # the class-based view took self
+
+
+# ---------------------------------------------------------------- the whole app, fake replicas
+
+
+async def answers(replica: str, request: GenerateRequest) -> GenerateResult:
+    return result()
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """A factory: the FastAPI app in front of an HttpRouter on a FakePool, as a TestClient."""
+    from ray import serve
+
+    def start(pool: FakePool | None = None, **config: Any) -> tuple[TestClient, HttpRouter, FakePool]:
+        pool = pool or FakePool(["a", "b"], answers)
+        router = HttpRouter(pool, RouterConfig(api_key=KEY, **config))
+        monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=router))
+        return TestClient(api, raise_server_exceptions=False), router, pool
+
+    return start
+
+
+def test_one_auth_dependency_guards_every_route_but_the_probes(served):
+    client, _, _ = served()
+    assert [d.dependency for d in api.router.dependencies] == [http.require_key]  # declared once, app-wide
+    routes = [(r.path, sorted(r.methods)[0]) for r in api.routes if hasattr(r, "methods") and r.path.startswith("/")]
+    guarded = [(path, method) for path, method in routes if path not in OPEN_PATHS]
+    assert {p for p, _ in guarded} >= {"/v1/generate", "/v1/capture", "/v1/info", "/docs", "/openapi.json"}
+    for path, method in guarded:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+            response = client.request(method, path, headers=headers, json={"prompt": "x"})
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["error"]["type"] == "unauthorized" and response.headers["www-authenticate"] == "Bearer"
+        assert client.request(method, path, headers=AUTH, json={"prompt": "x", "capture": {"hooks": ["0:resid_post"]}}).status_code == 200
+    for path in OPEN_PATHS:
+        assert client.get(path).status_code == 200  # probes carry no token
+
+
+def test_readyz_is_503_with_retry_after_until_an_engine_runs_and_reveals_nothing_sensitive(served):
+    class Starting(FakePool):
+        states = {"STARTING": 2}
+
+        async def fleet_states(self) -> FleetStates:
+            return FleetStates(app_status="DEPLOYING", replica_status="UPDATING", replicas=dict(self.states))
+
+    pool = Starting(["a"], answers)
+    client, router, _ = served(pool)
+    starting = client.get("/readyz")
+    assert starting.status_code == 503 and starting.headers["retry-after"] == "5"
+    body = starting.json()
+    assert body["ready"] is False and body["replicas"] == {"STARTING": 2} and body["app_status"] == "DEPLOYING"
+    assert "starting" in body["reason"]
+    assert set(body) == {"ready", "app_status", "replica_status", "replicas", "serving", "queued", "checked_s_ago", "reason"}
+    assert client.get("/healthz").status_code == 200  # alive all along: liveness is not readiness
+    Starting.states = {"STARTING": 1, "RUNNING": 1}
+    router._readiness._cached = None  # skip the one-second cache
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["serving"] == 1 and ready.json()["ready"] is True
+    assert "retry-after" not in ready.headers
+
+
+def test_a_bad_format_is_refused_before_the_body_is_read_or_a_replica_runs(served, monkeypatch):
+    client, _, pool = served()
+    reads: list[int] = []
+    real = http.read_body
+
+    async def spy(request, limit):
+        reads.append(limit)
+        return await real(request, limit)
+
+    monkeypatch.setattr(http, "read_body", spy)
+    response = client.post("/v1/capture?format=npz", headers=AUTH, json={"prompt": "x", "capture": {"hooks": ["0:resid_post"]}})
+    assert response.status_code == 400 and "format='npz'; allowed: json, safetensors" in response.json()["error"]["message"]
+    assert reads == [] and pool.calls == []
+    assert client.post("/v1/capture?format=safetensors", headers=AUTH, json={"prompt": "x", "capture": {"hooks": ["0:resid_post"]}}).status_code == 200
+    assert len(reads) == 1
+
+
+def test_a_full_queue_is_a_503_before_the_body_is_read(served, monkeypatch):
+    client, router, pool = served(max_queued_requests=1)
+    reads: list[int] = []
+    monkeypatch.setattr(http, "read_body", lambda request, limit: reads.append(limit))
+    router._queue.waiting = 1  # one request already waits for a replica
+    response = client.post("/v1/generate", headers=AUTH, content=b"x" * 1000)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert "max_queued_requests=1" in response.json()["error"]["message"]
+    assert reads == [] and pool.calls == []
+    too_big = client.post("/v1/generate", headers={**AUTH, "Content-Length": str(128 << 20)}, content=b"{}")
+    assert too_big.status_code == 413  # the declared size is checked before the queue, too
+
+
+def test_a_request_past_its_deadline_is_a_504_naming_the_setting(served):
+    async def hangs(replica: str, request: GenerateRequest) -> str:
+        import asyncio
+
+        await asyncio.Event().wait()
+        return replica
+
+    client, router, _ = served(FakePool(["a"], hangs), routing={"request_timeout_s": 0.2})
+    response = client.post("/v1/generate", headers=AUTH, json={"prompt": "x"})
+    assert response.status_code == 504 and response.json()["error"]["type"] == "deadline_exceeded"
+    assert "routing.request_timeout_s=0.2" in response.json()["error"]["message"]
+    assert router._queue.waiting == 0

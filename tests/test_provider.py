@@ -364,3 +364,33 @@ def test_client_capture_many_keeps_order_bounds_concurrency_and_names_the_failin
 
     assert [len(r.token_ids) for r in asyncio.run(both())] == [1, 16, 16]
     client.close()
+
+
+def test_client_calls_end_at_timeout_s_and_cancel_their_request():
+    from replicas.errors import DeadlineExceededError
+
+    app = FakeApp(delay=30.0)
+    sent: list[FakeResponse] = []
+    remote = app.capture.remote
+    app.capture.remote = lambda *a, **k: sent.append(remote(*a, **k)) or sent[-1]
+    client = CaptureClient(handle=app, timeout_s=0.2)
+    with pytest.raises(DeadlineExceededError, match=r"capture: no result within timeout_s=0.2 s"):
+        client.capture("x", "blocks.0.hook_resid_post")
+    assert len(sent) == 1 and sent[0].cancelled  # the router (and the engine) are told to stop
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        CaptureClient(handle=app, timeout_s=0)
+    client.close()
+
+
+def test_client_errors_from_the_router_come_without_ray_s_traceback():
+    from ray.exceptions import RayTaskError
+
+    from replicas.errors import DeadlineExceededError
+
+    cause = DeadlineExceededError("no result within routing.request_timeout_s=1 s")
+    app = FakeApp(failures=[RayTaskError("capture", "Traceback ...", cause, pid=7, ip="10.0.0.9").as_instanceof_cause()])
+    client = CaptureClient(handle=app, backoff_s=0.0)
+    with pytest.raises(DeadlineExceededError) as info:
+        client.capture("x", "blocks.0.hook_resid_post")
+    assert type(info.value) is DeadlineExceededError and "10.0.0.9" not in str(info.value)
+    client.close()

@@ -10,7 +10,6 @@ Counts and waits are all bounded; nothing is asserted about time.
 
 from __future__ import annotations
 
-import os
 import pickle
 import secrets
 import socket
@@ -23,7 +22,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from bench.load import Fleet, Mix, RssSampler, Stream, burst, kill_pids, rss_mib, wait_until
+from bench.load import Fleet, Mix, RssSampler, Stream, burst, engine_core, kill_pids, rss_mib, wait_engine_gone, wait_until
 from replicas.tiny import make_tiny_model
 from tests.reliability.reference import Reference
 
@@ -41,12 +40,14 @@ PORT = _free_port()  # other runs may share this machine
 URL = f"http://127.0.0.1:{PORT}"
 KEY = "capserve-" + secrets.token_hex(12)  # unique, so finding it in a log means it leaked
 AUTH = {"Authorization": f"Bearer {KEY}"}
+KEY_FILE = Path(tempfile.mkdtemp(prefix="capkey"), "api_key")  # read by the Router; never an app argument
+KEY_FILE.write_text(KEY)
 REPLICA_SLOTS = 64
 MAX_QUEUED = 256
 MAX_MODEL_LEN = 512
 ARGS = {
     "num_replicas": 2,
-    "api_key": KEY,
+    "api_key_file": str(KEY_FILE),
     "health_check_period_s": 2,
     "health_check_timeout_s": 10,
     "drain_timeout_s": 5,
@@ -71,7 +72,7 @@ class App:
         self.fleet = fleet
         self.handle = fleet.router
         self.log_dir = log_dir
-        self.engine_pids: set[int] = set()  # every engine process seen, killed if orphaned
+        self.seen: dict[str, dict[str, Any]] = {}  # every replica's identity, checked for leftovers at the end
 
     def healthy(self) -> list[dict[str, Any]]:
         """Wait (bounded) for two running replicas; their identities."""
@@ -82,7 +83,7 @@ class App:
             return self.fleet.running() == 2 and len(found) == 2
 
         wait_until(two, "two running replicas", RECOVERY_TIMEOUT_S)
-        self.engine_pids |= {p["pid"] for i in found for p in i["engine_pids"]}
+        self.seen.update((i["replica"], i) for i in found)
         return found
 
 
@@ -103,7 +104,8 @@ def app():
     yield running
     serve.shutdown()
     ray.shutdown()
-    kill_pids(running.engine_pids)  # engines of killed replicas outlive them (see docs/reliability.md)
+    for identity in running.seen.values():  # shut down or killed, no replica leaves its engine behind
+        wait_engine_gone(identity)
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +306,8 @@ def _stream_through_fault(app: App, loop: Any, stream: Stream, before: list[dict
                "the recovered fleet to serve", 300, 0.5)
     end = time.monotonic()
     tally = loop.run(stream.finish(), timeout=900)
-    kill_pids(p["pid"] for i in before if i["replica"] not in {a["replica"] for a in after} for p in i["engine_pids"])
+    for gone in [i for i in before if i["replica"] not in {a["replica"] for a in after}]:
+        wait_engine_gone(gone)  # no orphaned engine process, no leaked shared memory
     errors = tally.total - tally.counts["ok"]
     return {**tally.summary(), "errors": errors, "recovery_s": round(recovery_s, 1),
             "longest_gap_s": round(tally.longest_gap_s(start, end), 1), "replaced": sorted(fresh)}
@@ -323,21 +326,6 @@ def replaced(app: App) -> Callable[[dict[str, Any]], bool]:
         return app.fleet.running() == 2 and len(app.fleet.identities()) == 2
 
     return done
-
-
-def engine_core_pid(app: App, victim: dict[str, Any]) -> int:
-    """The victim's engine-core process, read again until it is listed: a replica that replaced
-    one killed by the previous test has been seen listing no process named EngineCore yet."""
-    found: list[int] = []
-
-    def listed() -> bool:
-        for identity in app.fleet.identities():
-            if identity["replica"] == victim["replica"]:
-                found[:] = [p["pid"] for p in identity["engine_pids"] if "EngineCore" in p["name"]]
-        return len(found) == 1
-
-    wait_until(listed, "the victim's engine-core process", 60, 0.5)
-    return found[0]
 
 
 def wait_busy(app: App, victim: dict[str, Any]) -> None:
@@ -363,9 +351,8 @@ def test_fault_kill_a_replica_actor_under_load_loses_nothing(app, loop, referenc
 def test_fault_kill_the_engine_process_under_load_loses_nothing(app, loop, reference, figures):
     def inject(fleet: list[dict[str, Any]]) -> dict[str, Any]:
         victim = fleet[0]
-        core = engine_core_pid(app, victim)
         wait_busy(app, victim)
-        kill_pids([core])
+        kill_pids([engine_core(victim)])
         return victim
 
     figures["fault_kill_engine_process"] = result = run_fault(app, loop, reference, inject, replaced(app))

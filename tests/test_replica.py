@@ -36,10 +36,12 @@ class FakeEngine:
     async def info(self) -> ModelInfo:
         return INFO
 
-    async def check_health(self) -> dict[str, Any]:
+    async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("EngineCore died")
-        return {}
+
+    def engine_pids(self) -> list[int]:
+        return []
 
     async def shutdown(self) -> None:
         self.stopped = True

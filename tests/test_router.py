@@ -5,6 +5,7 @@ No Ray here: `ReplicaPool` is the seam the Serve handle sits behind (STYLE #8)."
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from contextlib import asynccontextmanager
 from typing import Any, Callable
@@ -12,9 +13,21 @@ from typing import Any, Callable
 import pytest
 
 from deploy.balance import RouteHint
+from deploy.readiness import FleetStates
 from deploy.router import ReplicaPool, ReplicaSlot, Router, capture_request
 from replicas.api import GenerateRequest, ModelInfo
 from replicas.errors import BackPressureError, InvalidRequestError, ReplicaUnavailableError
+
+ANSI_RED = "\x1b[31m"
+
+
+def remote(cause: BaseException, ip: str = "10.4.5.6", pid: int = 4242) -> BaseException:
+    """What Ray raises in the caller for an exception a replica raised: a RayTaskError that is also
+    an instance of the cause's type, whose text holds the remote traceback, pid and node IP."""
+    from ray.exceptions import RayTaskError
+
+    traceback = f"Traceback (most recent call last):\n  File \"replica.py\", line 1\n{ANSI_RED}{type(cause).__name__}: {cause}"
+    return RayTaskError("generate", traceback, cause, proctitle="ray::ServeReplica", pid=pid, ip=ip).as_instanceof_cause()
 
 INFO = ModelInfo(
     model="fake", architecture="Fake", n_layers=4, d_model=8, d_vocab=50, max_model_len=512,
@@ -57,6 +70,9 @@ class FakePool(ReplicaPool):
     async def call_any(self, method: str, *args: Any) -> Any:
         assert method == "info"
         return INFO
+
+    async def fleet_states(self) -> FleetStates:
+        return FleetStates(app_status="RUNNING", replica_status="HEALTHY", replicas={"RUNNING": len(self.replicas)})
 
 
 async def echo(replica: str, request: GenerateRequest) -> str:
@@ -186,6 +202,58 @@ def test_a_bad_request_reported_by_a_replica_is_not_retried():
     run(main())
 
 
+def test_a_replica_error_reaches_the_caller_as_its_own_exception_without_ray_s_wrapper():
+    async def rejects(replica: str, request: GenerateRequest) -> str:
+        raise remote(InvalidRequestError("capture.hooks[0]: layer 9 is out of range (0..3)"))
+
+    async def main():
+        with pytest.raises(InvalidRequestError) as info:
+            await Router(FakePool(["a"], rejects), {}).generate({"prompt": "x"})
+        assert type(info.value) is InvalidRequestError  # not RayTaskError(InvalidRequestError)
+        assert str(info.value) == "capture.hooks[0]: layer 9 is out of range (0..3)"
+
+    run(main())
+
+
+def test_retry_causes_name_each_replica_without_tracebacks_pids_or_addresses():
+    async def dies(replica: str, request: GenerateRequest) -> str:
+        if replica == "a":
+            raise remote(ReplicaUnavailableError("replica a: engine is dead"), ip="10.9.8.7", pid=31337)
+        raise RuntimeError("The actor died unexpectedly before finishing this task.\n\tpid: 31337\n\tip: 10.9.8.7")
+
+    async def main():
+        pool = FakePool(["a", "b"], dies)
+        pool.retryable = (ReplicaUnavailableError, RuntimeError)  # as Ray's actor errors are for HandlePool
+        with pytest.raises(ReplicaUnavailableError) as info:
+            await Router(pool, {"routing": {"max_attempts": 2}}).generate({"prompt": "x"})
+        message = str(info.value)
+        assert "replica a: ReplicaUnavailableError: replica a: engine is dead" in message
+        assert "replica b: RuntimeError: The actor died unexpectedly before finishing this task." in message
+        for leak in ("Traceback", "10.9.8.7", "31337", "\x1b["):
+            assert leak not in message
+
+    run(main())
+
+
+def test_client_errors_raised_to_handle_callers_are_logged_as_one_warning_line(caplog):
+    Router(FakePool(["a"], echo), {})  # installs the filter on Serve's logger in this process
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(caplog.handler)  # Serve's replica logger does not propagate
+    try:
+        for exc in (remote(InvalidRequestError("capture.hooks[0]: layer 9 is out of range")), RuntimeError("a real bug")):
+            try:
+                raise exc
+            except Exception:
+                serve_logger.exception("Request failed.")  # what Serve's replica wrapper does
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    client, bug = caplog.records[-2:]
+    assert (client.levelname, client.exc_info) == ("WARNING", None)
+    assert client.getMessage() == "client error (InvalidRequestError): capture.hooks[0]: layer 9 is out of range"
+    assert "\n" not in caplog.handler.format(client)  # one line
+    assert bug.levelname == "ERROR" and bug.exc_info is not None  # real failures keep their traceback
+
+
 # ---------------------------------------------------------------- backpressure
 
 
@@ -205,6 +273,18 @@ def test_the_queue_is_bounded_and_drains():
         assert await asyncio.gather(*waiting) == ["a:w0", "a:w1"]
         assert (await router.stats())["queued"] == 0
         assert await router.generate({"prompt": "after"}) == "a:after"  # accepted again
+
+    run(main())
+
+
+def test_a_batch_larger_than_the_queue_is_a_client_error_not_a_503_forever():
+    async def main():
+        pool = FakePool(["a"], echo)
+        router = Router(pool, {"max_queued_requests": 4, "max_batch_size": 100})
+        with pytest.raises(InvalidRequestError, match=r"requests: 5 requests exceed max_queued_requests=4.*batches of at most 4"):
+            await router.capture_batch([{"prompt": f"p{i}", "capture": CAPTURE} for i in range(5)])
+        assert pool.calls == [] and (await router.stats())["queued"] == 0
+        assert len(await router.capture_batch([{"prompt": f"p{i}", "capture": CAPTURE} for i in range(4)])) == 4
 
     run(main())
 

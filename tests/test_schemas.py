@@ -238,3 +238,31 @@ def test_captured_positions_follow_each_mode_and_stop_where_the_rows_did():
     assert captured_positions("last_prompt", 5, 1) == [4]
     assert captured_positions([7, -1, 0], 5, 3) == [0, 4, 7]
     assert captured_positions([7, -1, 0], 5, 2) == [0, 4]  # stopped before position 7 was fed
+
+
+def test_logits_and_every_completion_count_against_the_byte_cap():
+    """The worker holds each of n completions' rows in full, and logits as float32 [rows, d_vocab]."""
+    capture = {"hooks": ["0:resid_post"], "positions": "all"}  # 14 rows x 4 x 4 bytes = 224 bytes a completion
+    assert plan({"max_tokens": 5, "n": 4, "capture": capture})["capture"]["max_rows"] == 14  # 896 bytes
+    with pytest.raises(PlanError, match=r"capture/n: \(1 hooks x 14 positions x 4 x 4 bytes = 224 bytes\) "
+                                        r"x n=5 completions \(each captures in full\) = 1120 bytes, over the replica's "
+                                        r"max_capture_bytes=1000; .*lower n"):
+        plan({"max_tokens": 5, "n": 5, "capture": capture})
+    logits = {"positions": "all"}  # 14 rows x 100 x 4 bytes = 5,600 bytes
+    with pytest.raises(PlanError, match=r"^logits: 14 positions x 100 x 4 bytes = 5600 bytes, over "
+                                        r"the replica's max_capture_bytes=1000"):
+        plan({"max_tokens": 5, "logits": logits}, d_vocab=100)
+    # together: 224 + 2 x 100 x 4 = 1,024 bytes, each part under the cap alone
+    with pytest.raises(PlanError, match=r"capture/logits: capture: .* = 224 bytes \+ logits: 2 positions .* = 1024 bytes, over"):
+        plan({"max_tokens": 5, "capture": capture, "logits": {"positions": [0, 1]}}, d_vocab=100)
+    assert plan({"max_tokens": 5, "capture": capture, "logits": {"positions": [0]}}, d_vocab=100)["logits"]["max_rows"] == 1
+
+
+def test_a_request_carries_at_most_max_set_edits_set_interventions():
+    def patch(layer: int) -> dict:
+        return {"hook": f"{layer}:resid_post", "op": "set", "values": [1.0, 2.0, 3.0, 4.0], "positions": [0]}
+
+    steer = {"steer_kinds": {"resid_post"}, "armed_kinds": {"resid_post"}}
+    assert len(plan({"interventions": [patch(0), patch(1)]}, max_set_edits=2, **steer)["edits"]) == 2
+    with pytest.raises(PlanError, match=r"interventions\[2\]: 3 `set` interventions .* at most 2 \(engine option max_set_edits\)"):
+        plan({"interventions": [patch(0), patch(1), patch(2)]}, max_set_edits=2, **steer)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deploy import http
-from deploy.config import AppArgs, router_config
+from deploy.config import AppArgs, read_api_key, router_config
 from replicas import arrays
 from replicas.replica import EngineReplica
 from tests.test_replica import OPTIONS, FakeEngine
@@ -68,16 +68,19 @@ def test_the_bearer_check_compares_in_constant_time(monkeypatch):
     assert "guess" not in str(info.value) and "s3cret" not in str(info.value)
 
 
-def test_secrets_stay_out_of_reprs_and_validation_errors(monkeypatch):
+def test_secrets_stay_out_of_reprs_and_validation_errors(monkeypatch, tmp_path):
     secret = "tok-" + "9" * 20
-    args = AppArgs(api_key=secret)
-    assert secret not in repr(args) and secret not in str(args.model_dump())
-    assert secret not in repr(router_config(args))
     with pytest.raises(ValueError) as info:
-        AppArgs(api_key=secret, max_queued_requests=-1)
-    assert secret not in str(info.value)
+        AppArgs.model_validate({"api_key": secret, "max_queued_requests": -1})
+    assert secret not in str(info.value) and "api_key_file" in str(info.value)
+    key_file = tmp_path / "key"
+    key_file.write_text(secret)
+    args = AppArgs(api_key_file=str(key_file))
+    assert secret not in repr(args) and secret not in str(args.model_dump())
+    assert secret not in repr(router_config(args)) and secret not in repr(read_api_key(router_config(args)))
     monkeypatch.setenv("CAPSERVE_API_KEY", secret)
     assert secret not in repr(router_config(AppArgs()))
+    assert secret not in str(router_config(AppArgs()).model_dump())
 
 
 def test_deeply_nested_json_is_a_400_not_a_crash():

@@ -7,18 +7,22 @@ transformers on the same weights (tests/hf_reference.py), the project's correctn
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 import numpy as np
 import pytest
 
+from bench.load import engine_core, wait_engine_gone
 from replicas.errors import InvalidRequestError
 from replicas.tiny import make_tiny_model
 from tests.hf_reference import hf_activations
@@ -41,10 +45,11 @@ TOL = 1e-4
 
 
 class App:
-    def __init__(self, handle: Any, replicas: Any) -> None:
+    def __init__(self, handle: Any, replicas: Any, startup: list[tuple[int, int, dict[str, Any]]] | None = None) -> None:
         self.handle = handle
         self.replicas = replicas  # a handle on EngineReplica, for identity/load broadcasts
         self.model = make_tiny_model("llama")
+        self.startup = startup or []  # (/healthz status, /readyz status, /readyz body) while it started
 
     def identities(self) -> list[dict[str, Any]]:
         results = self.replicas.broadcast("identity").results(timeout_s=60, return_exceptions=True)
@@ -64,25 +69,54 @@ class App:
         return status.replica_states.get("RUNNING", 0)
 
 
+class ProbeWatcher(threading.Thread):
+    """Polls /healthz and /readyz while the app starts (the engines take about a minute)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.seen: list[tuple[int, int, dict[str, Any]]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=URL, timeout=10) as client:
+            while not self.done.is_set():
+                try:
+                    live, ready = client.get("/healthz"), client.get("/readyz")
+                    if ready.headers.get("content-type") == "application/json":
+                        self.seen.append((live.status_code, ready.status_code, ready.json()))
+                except httpx.HTTPError:
+                    pass  # the proxy or the router is not up yet
+                self.done.wait(0.5)
+
+
 @pytest.fixture(scope="module")
-def app():
+def app(tmp_path_factory):
     import ray
     from ray import serve
 
     from deploy.app import build_app
 
+    key_file = tmp_path_factory.mktemp("secrets") / "api_key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {
         "num_replicas": 2,
-        "api_key": KEY,
+        "api_key_file": str(key_file),  # read by the Router on its node; the key is never an app arg
         "health_check_period_s": 2,
         "health_check_timeout_s": 20,
         "max_request_bytes": 1 << 20,
         "engine": {"max_model_len": 512, "max_num_seqs": 64},
     }
-    handle = serve.run(build_app(args), name="capserve", route_prefix="/")
-    yield App(handle, serve.get_deployment_handle("EngineReplica", "capserve"))
+    watcher = ProbeWatcher()
+    watcher.start()
+    try:
+        handle = serve.run(build_app(args), name="capserve", route_prefix="/")
+    finally:
+        watcher.done.set()
+        watcher.join(timeout=30)
+    yield App(handle, serve.get_deployment_handle("EngineReplica", "capserve"), watcher.seen)
     serve.shutdown()
     ray.shutdown()
 
@@ -105,6 +139,29 @@ def assert_matches_hf(app: App, result: Any, rows: int | None = None) -> None:
 
 def gather(responses: list[Any]) -> list[Any]:
     return [r.result(timeout_s=600) for r in responses]
+
+
+# ---------------------------------------------------------------- readiness
+
+
+def test_readyz_was_503_while_engines_started_though_healthz_was_200_and_is_200_now(app):
+    from provider.client import CaptureClient, wait_ready_http
+
+    starting = [(live, body) for live, status, body in app.startup if status == 503]
+    assert starting, f"never saw the app not ready while it started: {app.startup[:3]}"
+    assert all(live == 200 and body["ready"] is False for live, body in starting)  # alive, not ready
+    assert any(body["replicas"].get("STARTING") for _, body in starting)
+    ready = wait_ready_http(URL, timeout_s=60, interval_s=0.5)  # no token: probes are open
+    assert ready["ready"] is True and ready["serving"] >= 1
+    time.sleep(1.5)  # past the router's one-second cache, which may predate the second engine
+    with httpx.Client(base_url=URL, timeout=30) as client:
+        now = client.get("/readyz")
+    assert now.status_code == 200 and now.json()["serving"] == 2 and now.json()["replicas"] == {"RUNNING": 2}
+    text = now.text
+    for leak in ("pid", "127.0.0.1", "Traceback", "actor"):
+        assert leak not in text
+    status = CaptureClient(handle=app.handle).wait_ready(timeout_s=60)
+    assert status.ready and status.serving == 2
 
 
 # ---------------------------------------------------------------- correctness and balance
@@ -159,6 +216,9 @@ def test_bad_requests_name_the_field_while_a_valid_request_succeeds(app):
             assert bad.status_code == 422 and "capture.hooks" in bad.json()["error"]["message"]
             deep = client.post("/v1/capture", json={"prompt": "x", "capture": {"hooks": ["blocks.7.hook_mlp_out"]}})
             assert deep.status_code == 422 and "layer 7" in deep.json()["error"]["message"]
+            for answer in (bad, deep):  # the message and the field; nothing of Ray's remote error text
+                raw = answer.text
+                assert "Traceback" not in raw and "pid=" not in raw and "\\u001b" not in raw and "\x1b" not in raw
             no_capture = client.post("/v1/capture", json={"prompt": "x"})
             assert no_capture.status_code == 422 and "capture" in no_capture.json()["error"]["message"]
             assert client.post("/v1/generate", content=b"{not json").status_code == 400
@@ -175,11 +235,24 @@ def test_auth_guards_every_endpoint_but_health(app):
         assert client.post("/v1/generate", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert client.get("/v1/info").status_code == 401
         assert client.get("/healthz").status_code == 200
-        assert client.get("/openapi.json").status_code == 401  # with auth on, only /healthz is open
+        assert client.get("/readyz").status_code == 200  # probes are open; the key file's key guards the rest
+        assert client.get("/docs").status_code == 401
+        assert client.get("/openapi.json").status_code == 401  # with auth on, only the probes are open
         assert client.get("/openapi.json", headers=AUTH).status_code == 200
         ok = client.post("/v1/generate", json=body, headers=AUTH)
         assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 2
         assert client.get("/v1/info", headers=AUTH).json()["n_layers"] == 4
+
+
+def test_a_bad_request_from_a_handle_caller_is_one_warning_line_in_the_router_log(app):
+    import ray
+
+    with pytest.raises(InvalidRequestError, match="capture.hooks"):
+        app.handle.generate.remote({"prompt": "x", "capture": {"hooks": ["blocks.0.hook_typo"]}}).result(timeout_s=120)
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    text = "".join(Path(f).read_text() for f in glob.glob(os.path.join(logs, "serve", "replica_capserve_Router_*.log")))
+    assert "client error (InvalidRequestError): capture.hooks" in text
+    assert "Request failed" not in text and "Traceback" not in text  # no ERROR with a traceback for it
 
 
 def test_http_capture_as_json_or_safetensors_equals_the_handle_capture(app):
@@ -204,14 +277,6 @@ def test_http_capture_as_json_or_safetensors_equals_the_handle_capture(app):
 # ---------------------------------------------------------------- faults (these replace replicas)
 
 
-def kill_quietly(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_killing_a_replica_actor_mid_flight_loses_no_request(app):
     import ray
 
@@ -227,7 +292,7 @@ def test_killing_a_replica_actor_mid_flight_loses_no_request(app):
     app.wait_for(victim_busy, "the victim to hold requests")
     ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
     results = gather(responses)  # raises if any request was lost
-    kill_quietly([p["pid"] for p in victim["engine_pids"]])  # its orphaned engine processes
+    wait_engine_gone(victim)  # its engine processes and shared memory went with it
     for result in results:
         assert len(result.token_ids) == 400
         assert_matches_hf(app, result)
@@ -242,8 +307,7 @@ def test_killing_a_replica_actor_mid_flight_loses_no_request(app):
 def test_killing_the_engine_process_fails_health_and_serve_replaces_the_replica(app):
     app.wait_for(lambda: app.running() == 2 and len(app.identities()) == 2, "two running replicas")
     victim = app.identities()[0]
-    (core,) = [p["pid"] for p in victim["engine_pids"] if "EngineCore" in p["name"]]
-    os.kill(core, signal.SIGKILL)
+    os.kill(engine_core(victim), signal.SIGKILL)
     # Right away, before Serve notices: requests routed to the dead engine are retried elsewhere.
     early = gather([app.handle.capture.remote(capture_request(i)) for i in range(16)])
     for result in early:
@@ -253,7 +317,7 @@ def test_killing_the_engine_process_fails_health_and_serve_replaces_the_replica(
         lambda: app.running() == 2 and victim["replica"] not in {i["replica"] for i in app.identities()},
         "the health check to fail and Serve to replace the replica",
     )
-    kill_quietly([p["pid"] for p in victim["engine_pids"]])  # the worker the engine core left behind
+    wait_engine_gone(victim)  # the worker under the killed engine core ended too
     later = gather([app.handle.capture.remote(capture_request(i)) for i in range(32)])
     fresh = {i["replica"] for i in app.identities()}
     assert {r.replica for r in later} <= fresh and victim["replica"] not in {r.replica for r in later}

@@ -1,0 +1,164 @@
+"""Engine processes die with the replica that started them, however it dies.
+
+vLLM's engine core is a child process of the replica actor. When the replica exits normally it
+shuts the engine down, but a replica killed by `ray.kill`, SIGKILL, Serve's force-stop or a dying
+raylet leaves the engine core running with no parent: on a GPU it keeps its CUDA context, weights
+and KV cache, and the replacement replica cannot start there. A parent-death signal cannot be set
+from outside the engine core, so the worker (which runs capserve's code, in the engine core's
+process or in its child) watches the replica instead: when the replica is gone it removes the
+replica's shared-memory folder and kills the engine processes between itself and the replica.
+
+Each engine's shared-memory folder names its owner (`owner.json`), so a replica starting on the
+node also sweeps the folders of owners that are gone (an engine killed before its watchdog ran).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+logger = logging.getLogger("capserve.lifeline")
+
+OWNER_FILE = "owner.json"
+SPILL_PREFIX = "capserve-"
+WATCH_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process, by pid and start time: a pid the OS reuses for another process does not match."""
+
+    pid: int
+    started: float
+
+    @classmethod
+    def of(cls, pid: int) -> "Owner":
+        return cls(pid, psutil.Process(pid).create_time())
+
+    @classmethod
+    def current(cls) -> "Owner":
+        return cls.of(os.getpid())
+
+    def alive(self) -> bool:
+        try:
+            process = psutil.Process(self.pid)
+            return abs(process.create_time() - self.started) < 0.05 and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def write(self, folder: str) -> None:
+        Path(folder, OWNER_FILE).write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, folder: str | Path) -> "Owner | None":
+        try:
+            fields = json.loads(Path(folder, OWNER_FILE).read_text())
+            return cls(int(fields["pid"]), float(fields["started"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+class Progress:
+    """Whether a busy engine core still moves: the seconds since any request last got output,
+    counted only while some request waits for one. A wedged engine core keeps its process (so a
+    liveness probe of the process passes) but stops producing output."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._last = time.monotonic()
+
+    def started(self) -> None:
+        if self.active == 0:
+            self._last = time.monotonic()
+        self.active += 1
+
+    def output(self) -> None:
+        self._last = time.monotonic()
+
+    def finished(self) -> None:
+        self.active -= 1
+
+    def stalled_s(self) -> float:
+        return time.monotonic() - self._last if self.active else 0.0
+
+
+def engine_lineage(owner: Owner) -> list[Owner]:
+    """This process and its ancestors below `owner` (the engine core, when the worker is its own
+    process), nearest first. Read while the owner is alive: afterwards the parents are gone."""
+    lineage, process = [], psutil.Process()
+    while process is not None and process.pid != owner.pid:
+        lineage.append(Owner(process.pid, process.create_time()))
+        process = process.parent()
+    if process is None:
+        raise RuntimeError(f"process {os.getpid()} does not descend from its replica (pid {owner.pid})")
+    return lineage
+
+
+def watch_owner(owner: Owner, spill_dir: str | None, period_s: float = WATCH_PERIOD_S) -> threading.Thread:
+    """Start the watchdog thread of this engine process. It ends the engine when the replica is
+    gone, and also when the engine core above this worker is (a worker without it serves nobody)."""
+    lineage = engine_lineage(owner)
+    watched = [owner, *lineage[1:]]
+
+    def run() -> None:
+        while all(process.alive() for process in watched):
+            time.sleep(period_s)
+        end_engine(owner, lineage, spill_dir)
+
+    thread = threading.Thread(target=run, name="capserve-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def end_engine(owner: Owner, lineage: list[Owner], spill_dir: str | None) -> None:
+    logger.warning("replica %d or its engine core is gone: ending the engine (pids %s)", owner.pid, [p.pid for p in lineage])
+    if spill_dir:
+        shutil.rmtree(spill_dir, ignore_errors=True)
+    # farthest first: the engine core, then this process (which may be the engine core itself)
+    for process in reversed(lineage):
+        if process.alive():
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def sweep_stale_spill_dirs(parent: str) -> list[str]:
+    """Remove the shared-memory folders of engines whose replica is gone; returns what it removed."""
+    removed = []
+    for folder in Path(parent).glob(SPILL_PREFIX + "*"):
+        owner = Owner.read(folder)
+        if folder.is_dir() and owner is not None and not owner.alive():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    if removed:
+        logger.warning("removed %d shared-memory folders of engines whose replica is gone: %s", len(removed), removed)
+    return removed
+
+
+def engine_processes(core_pids: list[int]) -> list[dict[str, Any]]:
+    """The engine cores (by the pids vLLM started them with: process names are cut to 15
+    characters) and every process under them, each with its start time."""
+    processes = []
+    for pid in core_pids:
+        try:
+            core = psutil.Process(pid)
+            processes.append(_described(core, "engine_core"))
+            processes += [_described(child, "engine_child") for child in core.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return processes
+
+
+def _described(process: psutil.Process, role: str) -> dict[str, Any]:
+    return {"pid": process.pid, "started": process.create_time(), "role": role, "name": process.name()}

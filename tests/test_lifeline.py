@@ -1,0 +1,142 @@
+"""Engine processes die with their replica, however it dies; stale shared memory is swept.
+
+The end-to-end case runs a real engine in a child process standing in for the replica actor and
+SIGKILLs it: nothing of the engine may survive. The Serve fault tests (test_serve_app,
+test_reliability, test_cli) check the same after `ray.kill`, an engine-core kill and a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from bench.load import left_behind, wait_engine_gone
+from replicas.api import ModelInfo
+from replicas.engine import CaptureEngine
+from replicas.engine_config import EngineConfig
+from replicas.lifeline import OWNER_FILE, SPILL_PREFIX, Owner, engine_lineage, sweep_stale_spill_dirs
+
+# The stand-in replica: start an engine, print its identity, then wait to be killed.
+REPLICA = """
+import asyncio, json, os, sys
+from replicas.engine import CaptureEngine
+from replicas.lifeline import engine_processes
+
+async def main():
+    engine = await CaptureEngine.start({"model": sys.argv[1], "dtype": "float32", "max_model_len": 256}, name="doomed")
+    result = await engine.generate({"prompt": [1, 2, 3], "max_tokens": 2, "capture": {"hooks": ["blocks.0.hook_resid_post"], "positions": "prompt"}})
+    print(json.dumps({"replica": "doomed", "pid": os.getpid(), "spill_dir": engine.spill_dir,
+                      "engine_pids": engine_processes(engine.engine_pids()), "rows": len(result.positions)}), flush=True)
+    await asyncio.sleep(3600)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_an_owner_is_matched_by_pid_and_start_time():
+    me = Owner.current()
+    assert me.alive()
+    assert not Owner(me.pid, me.started - 100).alive()  # the same pid, another process
+    assert not Owner(dead_pid(), time.time()).alive()
+
+
+def test_the_lineage_runs_from_this_process_up_to_the_owner():
+    child = subprocess.run(
+        [sys.executable, "-c", "import json, sys; from replicas.lifeline import Owner, engine_lineage;"
+         "print(json.dumps([o.pid for o in engine_lineage(Owner.of(int(sys.argv[1])))]))", str(os.getpid())],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1],
+    )
+    (only,) = json.loads(child.stdout)  # the child itself: its parent is the owner
+    assert only not in (os.getpid(), 0)
+    with pytest.raises(RuntimeError, match="does not descend"):
+        engine_lineage(Owner(dead_pid(), 0.0))
+
+
+def test_sweep_removes_the_folders_of_gone_owners_only(tmp_path):
+    gone, alive, unowned = (tmp_path / f"{SPILL_PREFIX}{name}" for name in ("gone", "alive", "unowned"))
+    for folder in (gone, alive, unowned):
+        folder.mkdir()
+        (folder / "rows.bin").write_bytes(b"x" * 1024)
+    Owner(dead_pid(), time.time()).write(str(gone))
+    Owner.current().write(str(alive))
+    (tmp_path / "other").mkdir()
+    Owner(dead_pid(), time.time()).write(str(tmp_path / "other"))  # not capserve's: left alone
+
+    assert sweep_stale_spill_dirs(str(tmp_path)) == [str(gone)]
+    assert not gone.exists() and alive.exists() and unowned.exists() and (tmp_path / "other" / OWNER_FILE).exists()
+
+
+class FakeLLM:
+    """What CaptureEngine.check_health reads of vLLM's AsyncLLM: its error state and its engine processes."""
+
+    def __init__(self, core_pid: int) -> None:
+        process = types.SimpleNamespace(pid=core_pid)
+        self.engine_core = types.SimpleNamespace(resources=types.SimpleNamespace(engine_manager=types.SimpleNamespace(processes=[process])))
+
+    async def check_health(self) -> None:
+        return None
+
+
+def fake_engine(core_pid: int, stall_timeout_s: float) -> CaptureEngine:
+    config = EngineConfig(model="m", stall_timeout_s=stall_timeout_s, take_timeout_s=0.5, outbox_timeout_s=0.2,
+                          engine_kwargs={"skip_tokenizer_init": True})
+    info = ModelInfo(model="m", architecture="LlamaForCausalLM", n_layers=1, d_model=64, d_vocab=100,
+                     max_model_len=64, dtype="float32", hook_names=[], armed_kinds=[])
+    return CaptureEngine(FakeLLM(core_pid), config, info)
+
+
+def test_the_health_check_fails_for_a_gone_engine_core_and_a_stall_but_not_for_a_busy_engine():
+    busy = fake_engine(os.getpid(), stall_timeout_s=0.8)
+    asyncio.run(busy.check_health())  # idle: nothing to stall
+    busy.progress.started()
+    time.sleep(0.5)
+    busy.progress.output()
+    time.sleep(0.5)
+    asyncio.run(busy.check_health())  # running, with output 0.5 s ago: healthy
+    time.sleep(0.5)
+    with pytest.raises(RuntimeError, match="no output for 1 s with 1 requests running"):
+        asyncio.run(busy.check_health())
+    busy.progress.finished()
+    asyncio.run(busy.check_health())  # nothing running any more
+
+    with pytest.raises(RuntimeError, match="engine core process .* is gone"):
+        asyncio.run(fake_engine(dead_pid(), stall_timeout_s=60).check_health())
+
+
+@pytest.mark.engine
+def test_an_engine_dies_with_a_sigkilled_replica(tiny_models):
+    replica = subprocess.Popen(
+        [sys.executable, "-c", REPLICA, tiny_models["llama"]],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], start_new_session=True,
+    )
+    try:
+        identity = next(json.loads(line) for line in replica.stdout if line.startswith('{"replica"'))
+        assert identity["rows"] == 3  # the engine served a capture before its replica died
+        assert [p["role"] for p in identity["engine_pids"]].count("engine_core") == 1
+        assert len(left_behind(identity)) == len(identity["engine_pids"]) + 1  # all running, the folder there
+        assert Owner.read(identity["spill_dir"]) == Owner.of(replica.pid)
+        os.kill(replica.pid, signal.SIGKILL)
+        replica.wait()
+        seconds = wait_engine_gone(identity, timeout_s=30)
+        print(f"engine gone {seconds:.1f} s after its replica was killed")
+    finally:
+        try:  # only if the test failed: the replica's session holds the engine processes too
+            os.killpg(replica.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
