@@ -7,6 +7,7 @@ Public names (imported from their modules; importing this package imports nothin
     from deploy.router import Router                 # handle methods: generate, capture, capture_batch, info, stats, ready
     from deploy.balance import CostAwareRequestRouter, CostLedger   # least-outstanding-cost routing
     from deploy.readiness import ReadyStatus         # Router.ready() and GET /readyz
+    from deploy.http import api                      # HTTP: native routes and the OpenAI-compatible ones (deploy.openai_routes)
 
-See docs/serving.md.
+See docs/serving.md and docs/openai.md.
 """

@@ -126,3 +126,17 @@ async def within(deadline: Deadline) -> AsyncIterator[Deadline]:
             f"no result within {deadline.setting}={deadline.seconds:g} s; the request was {deadline.stage} "
             "and has been cancelled. Ask for less (max_tokens, capture size), or raise the deadline"
         ) from None
+
+
+class AttemptTimedOut(Exception):
+    """An attempt ran past routing.attempt_timeout_s; it was cancelled on its replica."""
+
+
+class AttemptFailed(Exception):
+    """One attempt failed in a way another replica may not (the replica died, hung or went away):
+    the Router retries the request elsewhere."""
+
+    def __init__(self, replica: str, cause: BaseException) -> None:
+        super().__init__(replica)
+        self.replica = replica
+        self.cause = cause

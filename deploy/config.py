@@ -23,6 +23,9 @@ from replicas.engine_config import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
 from replicas.replica import TINY_PREFIX, is_tiny
 
 API_KEY_ENV = "CAPSERVE_API_KEY"
+# The built-in tiny models' chat template writes Hermes tool calls; their random weights need the
+# whitespace bound, or a forced call never ends (see replicas/tools.py).
+TINY_TOOL_SETTINGS = {"tool_call_parser": "hermes", "tool_strict_level": "parameter", "tool_call_max_whitespace": 1}
 
 _STRICT = ConfigDict(extra="forbid")
 
@@ -88,6 +91,45 @@ class RoutingOptions(BaseModel):
     def attempt_limit_s(self) -> float:
         """Per-attempt timeout in effect."""
         return self.attempt_timeout_s if self.attempt_timeout_s is not None else self.request_timeout_s / 2
+
+
+class OpenAIOptions(BaseModel):
+    """The OpenAI-compatible routes (docs/openai.md): the model names they answer to, and where
+    capture results go that are too large to inline in a JSON response."""
+
+    model_config = _STRICT
+
+    served_model_name: str | list[str] | None = Field(
+        None,
+        description="Name(s) the `model` field of a request may carry (and /v1/models lists), as vLLM's "
+        "--served-model-name; None = the `model` argument as given, or 'tiny-<arch>' for the built-in model. "
+        "Any other name gets 404.",
+    )
+    inline_bytes: int = Field(
+        4 << 20,
+        ge=0,
+        description="Largest capture (activations + logits, raw bytes) returned inline, base64, in the response's "
+        "`capserve` field; a larger one is kept on the Router and served once as safetensors from /v1/captures/{id}.",
+    )
+    capture_ttl_s: float = Field(
+        600.0, gt=0, description="How long a capture kept for /v1/captures/{id} waits to be read; then it is deleted."
+    )
+    capture_store_bytes: int = Field(
+        1 << 30,
+        gt=0,
+        description="Most bytes of unread captures the Router keeps (its memory). A new capture evicts the oldest "
+        "unread ones to fit (their URLs then answer 404 saying so); one larger than this is refused (413).",
+    )
+
+    def served_names(self, model: str | None) -> list[str]:
+        if isinstance(self.served_model_name, str):
+            return [self.served_model_name]
+        if self.served_model_name:
+            return list(self.served_model_name)
+        if model is None or model.startswith(TINY_PREFIX):
+            # not "tiny:llama": inspect's vllm provider reads "name:suffix" as a LoRA adapter
+            return [f"tiny-{(model or TINY_PREFIX).removeprefix(TINY_PREFIX) or 'llama'}"]
+        return [model]
 
 
 class AutoscalingArgs(BaseModel):
@@ -160,6 +202,7 @@ class AppArgs(BaseModel):
     max_request_bytes: int = Field(64 << 20, gt=0, description="Largest HTTP body; larger gets 413.")
     max_batch_size: int = Field(1024, ge=1, description="Most requests in one capture_batch call.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions)
+    openai: OpenAIOptions = Field(default_factory=OpenAIOptions, description="The OpenAI-compatible routes.")
     router_replicas: int = Field(
         1, ge=1, description="Router deployment replicas; only 1 is supported (the cost ledger lives in the Router)."
     )
@@ -215,6 +258,9 @@ class AppArgs(BaseModel):
         if self.max_capture_bytes is not None:
             fields["max_capture_bytes"] = self.max_capture_bytes
         fields.setdefault("dtype", "float32" if is_tiny(model) else "auto")
+        if is_tiny(model):
+            for key, value in TINY_TOOL_SETTINGS.items():
+                fields.setdefault(key, value)
         return EngineConfig(model=model, **fields)
 
 
@@ -230,6 +276,10 @@ class RouterConfig(BaseModel):
     max_batch_size: int = 1024
     replica_slots: int = Field(512, ge=1, description="Requests the router keeps on one replica.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions)
+    openai: OpenAIOptions = Field(default_factory=OpenAIOptions)
+    served_model_names: list[str] = Field(
+        default_factory=lambda: ["tiny-llama"], min_length=1, description="Names the OpenAI routes answer to."
+    )
 
 
 def resolve_api_key(args: AppArgs | None = None) -> SecretStr | None:
@@ -275,4 +325,6 @@ def router_config(args: AppArgs) -> RouterConfig:
         max_batch_size=args.max_batch_size,
         replica_slots=args.replica_max_ongoing_requests,
         routing=args.routing,
+        openai=args.openai,
+        served_model_names=args.openai.served_names(args.model),
     )

@@ -7,6 +7,8 @@
     GET  /readyz        readiness: 200 when an engine can serve now, else 503 (Retry-After); never
                         authenticated, and it shows states and counts only (no address, pid, message)
     GET  /docs, /openapi.json   behind the bearer token when auth is on, like every route but the probes
+    OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models, /tokenize,
+    /detokenize, /v1/captures/{id}): `deploy.openai_routes`, docs/openai.md
 
 Auth is one FastAPI dependency on the whole app (`require_key`), not a check per route: a route
 added later is guarded by default; only the paths in OPEN_PATHS are exempt. The key is the
@@ -32,9 +34,6 @@ remote traceback, pid, address or ANSI code (`replicas.error_messages.public_mes
 
 from __future__ import annotations
 
-import hmac
-import json
-import logging
 from typing import Any, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
@@ -43,25 +42,33 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from replicas import arrays
-from replicas.api import GenerateRequest, GenerateResult, ModelInfo
-from replicas.errors import (
-    BackPressureError,
-    CaptureFailedError,
-    DeadlineExceededError,
-    InvalidRequestError,
-    ReplicaUnavailableError,
-)
+from replicas.api import GenerateRequest, ModelInfo
 
 from deploy.config import RouterConfig, read_api_key
-from replicas.error_messages import public_message, remote_cause
+from deploy.http_parts import (  # re-exported: tests and callers import them from here
+    SAFETENSORS_MEDIA,
+    HttpError,
+    check_bearer,
+    check_declared_size,
+    encode_result,
+    error_response,
+    logger,
+    parse_json_object,
+    read_body,
+    result_fields,
+    to_safetensors,
+    wants_safetensors,
+)
+from deploy.openai_routes import OPENAI_PATHS, OpenAIRoutes, openai_api, openai_error_response
 from deploy.readiness import ReadyStatus
 from deploy.router import Router
 
-logger = logging.getLogger("capserve.http")
+__all__ = [
+    "OPEN_PATHS", "HttpError", "HttpResult", "HttpRouter", "RouterIngress", "api", "check_bearer", "check_declared_size",
+    "encode_result", "error_response", "parse_json_object", "read_body", "result_fields", "to_safetensors",
+    "wants_safetensors", "logger",
+]
 
-SAFETENSORS_MEDIA = "application/octet-stream"
-_ARRAY_FIELDS = ("activations", "logits")
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes: load balancers send no token
 READY_RETRY_AFTER_S = "5"
 
@@ -93,6 +100,7 @@ api = FastAPI(
     openapi_url=None,
     dependencies=[Depends(require_key)],
 )
+api.include_router(openai_api)  # the OpenAI-compatible routes (deploy.openai_routes), behind the same key
 
 
 class EncodedArray(BaseModel):
@@ -117,13 +125,8 @@ class HttpResult(BaseModel):
     logits_positions: list[int]
     logprobs: list[dict[str, float]] | None
     prompt_logprobs: list[dict[str, float] | None] | None
+    tool_calls: list[dict[str, Any]] | None = None
     replica: str | None
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message, self.headers = status, kind, message, headers or {}
 
 
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/GenerateRequest"}}}}}
@@ -135,12 +138,14 @@ _RESULT = {
 }
 
 
-class HttpRouter(Router):
-    """The Router plus its HTTP endpoints (wrapped by `serve.ingress` in `deploy.app`)."""
+class HttpRouter(OpenAIRoutes, Router):
+    """The Router plus its HTTP endpoints, native and OpenAI-compatible (wrapped by `serve.ingress`
+    in `deploy.app`)."""
 
     def __init__(self, replicas: Any, config: RouterConfig | dict[str, Any] | None = None) -> None:
         super().__init__(replicas, config)
         self._api_key = read_api_key(self._config)  # on the Router's node: api_key_file lives there
+        self._start_openai()
 
     @api.post("/v1/generate", openapi_extra=_BODY, responses=_RESULT)
     async def http_generate(self, request: Request) -> Response:
@@ -197,108 +202,10 @@ class HttpRouter(Router):
 
 @api.exception_handler(HttpError)
 async def _http_error(request: Request, exc: HttpError) -> JSONResponse:
-    return error_response(exc)  # raised by require_key, before any route runs
-
-
-# ---------------------------------------------------------------- pieces (unit-tested)
-
-
-def check_bearer(header: str | None, key: str) -> None:
-    scheme, _, token = (header or "").partition(" ")
-    # compare_digest on bytes of equal or different length runs in time independent of content
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise HttpError(401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
-
-
-def check_declared_size(request: Request, limit: int) -> None:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HttpError(413, "too_large", f"request body of {declared} bytes exceeds max_request_bytes={limit}")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    check_declared_size(request, limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # a chunked body has no Content-Length; stop reading at the limit
-            raise HttpError(413, "too_large", f"request body exceeds max_request_bytes={limit}")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HttpError(400, "bad_json", f"request body is not valid JSON: {exc}") from None
-    except RecursionError:  # json.loads recurses per nesting level; a deep body would be a 500
-        raise HttpError(400, "bad_json", "request body is nested too deeply; GenerateRequest needs at most a few levels") from None
-    if not isinstance(value, dict):
-        raise HttpError(400, "bad_json", f"request body must be a JSON object of GenerateRequest fields, got {type(value).__name__}")
-    return value
-
-
-def wants_safetensors(request: Request) -> bool:
-    fmt = request.query_params.get("format", "json")
-    if fmt not in ("json", "safetensors"):
-        raise HttpError(400, "bad_format", f"format={fmt!r}; allowed: json, safetensors")
-    return fmt == "safetensors" or SAFETENSORS_MEDIA in request.headers.get("accept", "")
-
-
-def result_fields(result: GenerateResult) -> dict[str, Any]:
-    """Every field but the arrays, JSON-ready."""
-    return json.loads(result.model_dump_json(exclude=set(_ARRAY_FIELDS)))
-
-
-def encode_result(result: GenerateResult, safetensors: bool) -> Response:
-    if safetensors:
-        return Response(to_safetensors(result), media_type=SAFETENSORS_MEDIA)
-    body = result_fields(result)
-    body["activations"] = {name: arrays.to_base64(a) for name, a in result.activations.items()}
-    body["logits"] = arrays.to_base64(result.logits) if result.logits is not None else None
-    return JSONResponse(body)
-
-
-def to_safetensors(result: GenerateResult) -> bytes:
-    from safetensors.numpy import save
-
-    tensors = dict(result.activations)
-    if result.logits is not None:
-        tensors["logits"] = result.logits
-    return save(tensors, metadata={"capserve": json.dumps(result_fields(result))})
-
-
-def error_response(exc: BaseException) -> JSONResponse:
-    """The JSON error for `exc`: the message and the field, never a remote traceback. Client errors
-    are logged as one WARNING line; an internal error is logged with its traceback here, on the
-    router, and the caller learns only its type."""
-    status, kind, headers = _classify(exc)
-    if kind == "internal":
-        logger.error("HTTP 500: %s", public_message(exc), exc_info=exc)
-        message = f"internal error ({type(remote_cause(exc)).__name__}); the router's log has the details"
-    else:
-        message = exc.message if isinstance(exc, HttpError) else public_message(exc)
-        if 400 <= status < 500 and status != 401:  # 401s are a scanner's noise; the others help a user
-            logger.warning("HTTP %d %s: %s", status, kind, message)
-    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status, headers=headers)
-
-
-def _classify(exc: BaseException) -> tuple[int, str, dict[str, str]]:
-    if isinstance(exc, HttpError):
-        return exc.status, exc.kind, exc.headers
-    exc = remote_cause(exc)
-    if isinstance(exc, InvalidRequestError):
-        return 422, "invalid_request", {}
-    if isinstance(exc, BackPressureError):
-        return 503, "backpressure", {"Retry-After": "1"}
-    if isinstance(exc, ReplicaUnavailableError):
-        return 503, "replica_unavailable", {"Retry-After": "1"}
-    if isinstance(exc, DeadlineExceededError):
-        return 504, "deadline_exceeded", {}
-    if isinstance(exc, CaptureFailedError):
-        return 500, "capture_failed", {}
-    return 500, "internal", {}
+    # raised by require_key, before any route runs; OpenAI clients get OpenAI's error shape
+    if request.url.path in OPENAI_PATHS or request.url.path.startswith("/v1/captures/"):
+        return openai_error_response(exc)
+    return error_response(exc)
 
 
 def _openapi() -> dict[str, Any]:

@@ -8,6 +8,7 @@ Handle methods (Python callers, the provider and the client):
     await handle.info.remote()                       -> ModelInfo
     await handle.stats.remote()                      -> queue depth and per-replica outstanding cost
     await handle.ready.remote()                      -> ReadyStatus: can an engine serve now (deploy.readiness)
+    async for item in handle.options(stream=True).generate_stream.remote(request):   # StreamDelta..., StreamEnd
 
 `by_reference=True` on generate/capture/capture_batch returns `ray.ObjectRef`s to the replica's
 own result object instead of values: the payload then never passes through the router (`await
@@ -37,7 +38,7 @@ import os
 import uuid
 from abc import ABC, abstractmethod
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from replicas.api import CaptureSpec, GenerateRequest, ModelInfo
 from replicas.cost import request_cost
@@ -49,15 +50,17 @@ from replicas.errors import (
 )
 from replicas.validation import validated
 
-from deploy.admission import AdmissionQueue, Deadline, Gate, within
+from deploy.admission import AdmissionQueue, AttemptFailed, AttemptTimedOut, Deadline, Gate, within
 from deploy.balance import CostLedger, RouteHint
 from deploy.config import RouterConfig
 from replicas.error_messages import describe, public_message, quiet_client_errors, remote_cause
 from deploy.readiness import FleetStates, ReadinessProbe, ReadyStatus, serve_fleet_states
+from deploy.streams import RouterStream, stream_attempt
 
 
 MAX_REPICKS = 16  # slots given back because they landed on a replica this request failed on
 MAX_PLACING = 4  # requests asking Serve for a slot at once (Serve routes 2 per replica at a time)
+STREAM_METHODS = frozenset({"generate_stream"})  # EngineReplica methods that are async generators
 
 
 def _retryable_errors() -> tuple[type[BaseException], ...]:
@@ -79,6 +82,10 @@ class ReplicaSlot(ABC):
     @abstractmethod
     async def run(self, method: str, *args: Any) -> tuple[Any, Any]:
         """(result value, reference to it); the value may be a zero-copy view of the reference."""
+
+    def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        """The items of a streaming method (reserved with `stream=True`); closing it cancels the work."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stream")
 
 
 class ReplicaPool(ABC):
@@ -116,6 +123,17 @@ class _HandleSlot(ReplicaSlot):
             response.cancel()  # the caller went away: abort the request in the engine too
             raise
 
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        response = self._handle.dispatch(self._selection, *args)  # a DeploymentResponseGenerator
+        done = False
+        try:
+            async for item in response:
+                yield item
+            done = True
+        finally:
+            if not done:
+                response.cancel()  # cancelled or closed early: abort the request in the engine too
+
 
 class HandlePool(ReplicaPool):
     """Replicas behind a DeploymentHandle whose deployment uses `CostAwareRequestRouter`."""
@@ -129,7 +147,7 @@ class HandlePool(ReplicaPool):
     async def reserve(self, method: str, hint: RouteHint) -> AsyncIterator[ReplicaSlot]:
         handle = self._by_method.get(method)
         if handle is None:  # one options() copy per method, not per request
-            handle = self._by_method[method] = self._handle.options(method_name=method)
+            handle = self._by_method[method] = self._handle.options(method_name=method, stream=method in STREAM_METHODS)
         async with handle.choose_replica(hint) as selection:
             yield _HandleSlot(handle, selection)
 
@@ -182,17 +200,6 @@ class _RouterMetrics:
         )
 
 
-class _AttemptTimedOut(Exception):
-    """An attempt ran past routing.attempt_timeout_s; it was cancelled on its replica."""
-
-
-class _Failed(Exception):
-    def __init__(self, replica: str, cause: BaseException) -> None:
-        super().__init__(replica)
-        self.replica = replica
-        self.cause = cause
-
-
 # ---------------------------------------------------------------- the router
 
 
@@ -210,12 +217,41 @@ class Router:
 
     # ------------------------------------------------------------ handle methods
 
-    async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
+    async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False, options: Any = None) -> Any:
+        """`options`: `replicas.streaming.CallOptions` for the replica (the OpenAI routes set them)."""
         request = validated(request)
         async with within(self._deadline()) as deadline:
             await self._check_model_limits(request)
             self._admit(1)
-            return await self._submit("generate", request, by_reference, deadline)
+            return await self._submit("generate", request, by_reference, deadline, options=options)
+
+    async def generate_stream(self, request: GenerateRequest | dict[str, Any], options: Any = None) -> AsyncIterator[Any]:
+        """generate() as a stream: `StreamDelta`s as tokens come, then `StreamEnd(result)`
+        (replicas.streaming). Handle callers: `handle.options(stream=True).generate_stream.remote(r)`.
+        Same validation, queue bound, deadline and balancing; a replica that fails before the
+        first item is retried elsewhere, one that fails after it fails the stream."""
+        stream = self.open_stream(request, options)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    def open_stream(self, request: GenerateRequest | dict[str, Any], options: Any = None) -> RouterStream:
+        """Start streaming one request; the HTTP routes await `first()` before they answer, so an
+        error before the first token still gets its status code."""
+        return RouterStream(self._stream_into, validated(request), options)
+
+    async def _stream_into(self, request: GenerateRequest, options: Any, sink: Callable[[Any], None]) -> None:
+        async with within(self._deadline()) as deadline:
+            await self._check_model_limits(request)
+            self._admit(1)
+            limit_s, retryable = self._config.routing.attempt_limit_s, self._pool.retryable
+
+            async def attempt(slot: ReplicaSlot) -> None:
+                await stream_attempt(slot, "generate_stream", (request, options), deadline, limit_s, retryable, sink)
+
+            await self._submit("generate_stream", request, False, deadline, attempt=attempt)
 
     async def capture(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
         """Prompt activations only. The request must carry `capture`; it runs with max_tokens=1
@@ -317,7 +353,8 @@ class Router:
             raise type(remote_cause(exc))(f"requests[{index}]: {public_message(exc)}") from None
 
     async def _submit(
-        self, method: str, request: GenerateRequest, by_reference: bool, deadline: Deadline, state: "_Attempts | None" = None
+        self, method: str, request: GenerateRequest, by_reference: bool, deadline: Deadline, state: "_Attempts | None" = None,
+        *, options: Any = None, attempt: Callable[[ReplicaSlot], Awaitable[Any]] | None = None,
     ) -> Any:
         """Run an admitted request to completion, on another replica each time one dies or hangs.
         Runs inside `within(deadline)`: when it passes, the CancelledError lands wherever the
@@ -341,9 +378,11 @@ class Router:
                         self._ledger.confirm(state.ticket, slot.replica, cost)
                         self._placed(state)
                         deadline.stage = f"running on replica {slot.replica} (attempt {len(state.failures) + 1})"
-                        value, ref = await self._run(slot, method, request, deadline)
+                        if attempt is not None:  # streaming: the attempt forwards items itself
+                            return await attempt(slot)
+                        value, ref = await self._run(slot, method, request, deadline, options)
                         return ref if by_reference else value
-                except _Failed as failed:
+                except AttemptFailed as failed:
                     self._metrics.retries.inc()
                     state.failures.append(f"replica {failed.replica}: {describe(failed.cause)}")
                     state.avoid.add(failed.replica)
@@ -371,23 +410,26 @@ class Router:
             state.placing = False
             self._gate.placed()
 
-    async def _run(self, slot: ReplicaSlot, method: str, request: GenerateRequest, deadline: Deadline) -> tuple[Any, Any]:
+    async def _run(
+        self, slot: ReplicaSlot, method: str, request: GenerateRequest, deadline: Deadline, options: Any = None
+    ) -> tuple[Any, Any]:
         limit_s = self._config.routing.attempt_limit_s
         timer = asyncio.timeout_at(deadline.cap(limit_s))  # None: the request's deadline comes first
+        args = (request,) if options is None else (request, options)
         try:
             async with timer:
-                return await slot.run(method, request)  # cancelled: the slot cancels the replica's work
+                return await slot.run(method, *args)  # cancelled: the slot cancels the replica's work
         except Exception as exc:
             if isinstance(exc, TimeoutError) and timer.expired():
-                cause = _AttemptTimedOut(f"no answer within routing.attempt_timeout_s={limit_s:g} s; cancelled there")
-                raise _Failed(slot.replica, cause) from None
+                cause = AttemptTimedOut(f"no answer within routing.attempt_timeout_s={limit_s:g} s; cancelled there")
+                raise AttemptFailed(slot.replica, cause) from None
             original = remote_cause(exc)
             if isinstance(original, (InvalidRequestError, CaptureFailedError)):
                 # Ray's error types mix in the cause's type; a bad request is never retried, and
                 # the caller gets the replica's own exception, not Ray's wrapper with its traceback.
                 raise original from None
             if isinstance(exc, self._pool.retryable):
-                raise _Failed(slot.replica, exc) from exc
+                raise AttemptFailed(slot.replica, exc) from exc
             raise
 
     async def _cost(self, request: GenerateRequest) -> float:
@@ -432,9 +474,7 @@ def capture_request(request: GenerateRequest | dict[str, Any], where: str = "") 
 
 
 def _node_id() -> str | None:
-    try:
-        import ray
+    import ray
 
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # outside Ray (unit tests)
-        return None
+    # get_runtime_context() would start a Ray instance in a process outside Ray (unit tests)
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

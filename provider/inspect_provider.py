@@ -8,8 +8,11 @@ In Python, `get_model("capserve/<model>", app=..., handle=<app handle>)` reuses 
 already hold (e.g. from `serve.run`) instead of connecting.
 
 Each `generate()` awaits the app's Serve handle, so inspect's concurrent samples spread over
-every replica (the Router balances them). Chat messages travel as `{role, content}` and the
-replica renders them with the served model's chat template. Per-call options ride in
+every replica (the Router balances them). Chat messages travel as `{role, content}` (assistant
+turns with their `tool_calls`, tool results as `tool` turns) and the replica renders them, and
+inspect's tools, with the served model's chat template. Tool calls are parsed on the replica by
+the parser its engine config names (`tool_call_parser`, e.g. hermes) and come back as inspect
+`ToolCall`s; `tool_choice` "any" is OpenAI's "required". Per-call options ride in
 `GenerateConfig.extra_body`: any `GenerateRequest` field but `prompt`, e.g.
 `{"capture": {...}, "interventions": [...], "logits": {"positions": "last_prompt"}}`; a
 `capture` there is merged over the `-M` capture defaults (`"capture": None` turns it off).
@@ -22,6 +25,7 @@ served the call.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -42,7 +46,7 @@ from inspect_ai.model import (
     StopReason,
     TopLogprob,
 )
-from inspect_ai.tool import ToolChoice, ToolInfo
+from inspect_ai.tool import ToolCall, ToolChoice, ToolFunction, ToolInfo
 
 from provider import activations as acts
 from provider._serve import AppConnection, classify, unwrap
@@ -54,7 +58,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_CONNECTIONS = 128  # the Router queues and balances; keep every replica's engine full
 MODEL_ARGS = ("app", "address", "capture", "positions", "reduce", "capture_dtype", "capture_dir", "inline_bytes", "handle")
-STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "max_tokens"}
+STOP_REASONS: dict[str | None, StopReason] = {"stop": "stop", "length": "max_tokens", "tool_calls": "tool_calls"}
 # GenerateConfig fields with no capserve counterpart: ignored, with one warning per provider.
 UNSUPPORTED = (
     "best_of",
@@ -125,12 +129,10 @@ class CapserveAPI(ModelAPI):
         tool_choice: ToolChoice,
         config: GenerateConfig,
     ) -> tuple[ModelOutput | Exception, ModelCall]:
-        if tools:
-            self._warn_once("tools", "capserve: tools are not supported; they are ignored (the model sees no tool specs)")
         for name in UNSUPPORTED:
             if getattr(config, name, None) is not None:
                 self._warn_once(name, f"capserve: GenerateConfig.{name} is not supported and is ignored")
-        request = build_request(input, config, self.capture_defaults)
+        request = build_request(input, config, self.capture_defaults, tools=tools, tool_choice=tool_choice)
         handle = await self._handle()
         await self._check_model(handle)
         started = time.monotonic()
@@ -182,7 +184,12 @@ class CapserveAPI(ModelAPI):
         text = await self._token_text() if top is not None or prompt_top is not None else str
         choices = [
             ChatCompletionChoice(
-                message=ChatMessageAssistant(content=c.text, model=self.model_name, source="generate"),
+                message=ChatMessageAssistant(
+                    content=c.content or "",  # the text, less any tool-call markup
+                    tool_calls=to_tool_calls(c.tool_calls),
+                    model=self.model_name,
+                    source="generate",
+                ),
                 stop_reason=STOP_REASONS.get(c.finish_reason, "unknown"),
                 logprobs=to_logprobs(c.token_ids, c.logprobs, top or 0, text),
             )
@@ -267,9 +274,21 @@ def parse_positions(value: Any) -> str | list[int]:
         ) from None
 
 
-def build_request(messages: list[ChatMessage], config: GenerateConfig, capture: dict[str, Any] | None) -> dict[str, Any]:
+def build_request(
+    messages: list[ChatMessage],
+    config: GenerateConfig,
+    capture: dict[str, Any] | None,
+    tools: list[ToolInfo] | None = None,
+    tool_choice: ToolChoice | None = None,
+) -> dict[str, Any]:
     """The GenerateRequest (as a validated, JSON-safe dict) for one inspect generate call."""
     request: dict[str, Any] = {"prompt": [chat_message(m) for m in messages]}
+    if tools:
+        request["tools"] = [tool_param(t) for t in tools]
+        if tool_choice is not None:
+            request["tool_choice"] = tool_choice_param(tool_choice)
+        if config.parallel_tool_calls is not None:
+            request["parallel_tool_calls"] = config.parallel_tool_calls
     if config.max_tokens is not None:
         request["max_tokens"] = config.max_tokens
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed")):
@@ -311,12 +330,60 @@ def merge_capture(defaults: dict[str, Any] | None, override: Any) -> dict[str, A
     return {**(defaults or {}), **override}
 
 
-def chat_message(message: ChatMessage) -> dict[str, str]:
+def chat_message(message: ChatMessage) -> dict[str, Any]:
+    """An inspect message as a capserve ChatMessage dict (OpenAI's shape, as inspect's openai
+    provider sends it: a failed tool call's result is its error text)."""
     if isinstance(message.content, list):
         other = sorted({c.type for c in message.content if c.type not in ("text", "reasoning")})
         if other:
             raise InvalidRequestError(f"messages: capserve serves text only; a {message.role} message holds {other} content")
+    if message.role == "tool":
+        content = f"Error: {message.error.message}" if message.error else message.text
+        out: dict[str, Any] = {"role": "tool", "content": content, "tool_call_id": message.tool_call_id or ""}
+        if message.function:
+            out["name"] = message.function
+        return out
+    if message.role == "assistant" and message.tool_calls:
+        calls = [
+            {"id": call.id, "type": "function", "function": {"name": call.function, "arguments": json.dumps(call.arguments)}}
+            for call in message.tool_calls
+        ]
+        return {"role": "assistant", "content": message.text or None, "tool_calls": calls}
     return {"role": message.role, "content": message.text}
+
+
+def tool_param(tool: ToolInfo) -> dict[str, Any]:
+    """inspect's ToolInfo as a capserve Tool (OpenAI's function tool)."""
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters.model_dump(exclude_none=True)}
+    return {"type": "function", "function": function}
+
+
+def tool_choice_param(choice: ToolChoice) -> str | dict[str, Any]:
+    """inspect's ToolChoice as capserve's: "any" is OpenAI's "required"; a ToolFunction names one."""
+    if isinstance(choice, ToolFunction):
+        return {"type": "function", "function": {"name": choice.name}}
+    return "required" if choice == "any" else choice
+
+
+def to_tool_calls(calls: list[Any] | None) -> list[ToolCall] | None:
+    """capserve's parsed calls (arguments as JSON text) as inspect ToolCalls; arguments that are
+    not a JSON object become {} with the reason in parse_error, which inspect reports to the model."""
+    if not calls:
+        return None
+    out = []
+    for call in calls:
+        arguments, error = {}, None
+        try:
+            parsed = json.loads(call.function.arguments or "{}")
+        except ValueError as exc:
+            error = f"Error parsing the following tool call arguments:\n\n{call.function.arguments}\n\nError details: {exc}"
+        else:
+            if isinstance(parsed, dict):
+                arguments = parsed
+            else:
+                error = f"Tool call arguments must be a JSON object, got: {call.function.arguments}"
+        out.append(ToolCall(id=call.id, function=call.function.name, arguments=arguments, parse_error=error))
+    return out
 
 
 def to_logprobs(token_ids: list[int], rows: list[dict[int, float]] | None, top: int, text: Any) -> Logprobs | None:
@@ -342,7 +409,11 @@ def response_summary(result: GenerateResult) -> dict[str, Any]:
     return {
         "request_id": result.request_id,
         "replica": result.replica,
-        "choices": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in result.choices],
+        "choices": [
+            {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            | ({"tool_calls": [t.model_dump() for t in c.tool_calls]} if c.tool_calls else {})
+            for c in result.choices
+        ],
         "prompt_tokens": len(result.prompt_token_ids),
         "activations": {hook: list(a.shape) for hook, a in result.activations.items()},
         "positions": result.positions,

@@ -130,10 +130,80 @@ class LogitsSpec(BaseModel):
     positions: Positions = "last_prompt"
 
 
+class ToolFunction(BaseModel):
+    """A function the model may call: its name, what it does, and a JSON Schema of its arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, description="Function name, as the model is to call it.")
+    description: str | None = Field(None, description="What the function does; shown to the model.")
+    parameters: dict[str, Any] = Field(
+        default_factory=dict, description="JSON Schema of the arguments object ({} = an object with any keys)."
+    )
+    strict: bool | None = Field(
+        None,
+        description="True: a constrained call's arguments must match `parameters` (OpenAI's strict; vLLM pins the "
+        "schema in its structural tag). Otherwise per the engine's tool_strict_level.",
+    )
+
+
+class Tool(BaseModel):
+    """A tool offered to the model (OpenAI's `tools[i]`); rendered by the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str = Field(description="The arguments as JSON text (as OpenAI sends them).")
+
+
+class ToolCall(BaseModel):
+    """A call the model made (in a result), or made in an earlier turn (in an assistant message)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class NamedToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function: the model must call exactly that one."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
 class ChatMessage(BaseModel):
+    """One chat turn. Assistant turns may carry `tool_calls` (content then optional); a `tool`
+    turn is a call's result and names the call it answers (`tool_call_id`)."""
+
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | None = Field(None, description="Text; required for system and user turns.")
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made.")
+    tool_call_id: str | None = Field(None, description="tool: the id of the call this result answers.")
+    name: str | None = Field(None, description="tool: the function's name (passed to the template).")
+
+    @model_validator(mode="after")
+    def _fields_match_role(self) -> "ChatMessage":
+        if self.role in ("system", "user") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not {self.role} messages")
+        return self
 
 
 class GenerateRequest(BaseModel):
@@ -157,6 +227,19 @@ class GenerateRequest(BaseModel):
     capture: CaptureSpec | None = None
     interventions: list[Intervention] = Field(default_factory=list)
     logits: LogitsSpec | None = None
+    tools: list[Tool] | None = Field(
+        None,
+        description="Functions the model may call (chat prompts only); rendered by the chat template, calls "
+        "parsed by the engine's `tool_call_parser`.",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none: tools shown, no calls parsed; auto (the default with tools): the parser finds calls in "
+        "the text; required / a named function: generation is constrained to a call (structured outputs).",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="False: tool_choice 'required' yields exactly one call (default: one or more)."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -167,13 +250,59 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt token ids must be non-negative")
         return prompt
 
+    @model_validator(mode="after")
+    def _tools_fit_the_prompt(self) -> "GenerateRequest":
+        # the same rules as vLLM's ChatCompletionRequest.check_tool_usage
+        if self.tools is not None:
+            if not self.tools:
+                raise ValueError("tools: must not be an empty list; give at least one tool or leave tools out")
+            if not self.is_chat:
+                raise ValueError("tools: need a chat prompt (a list of messages); text and token-id prompts take no tools")
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ValueError(f"tools: function names must be unique, got {names}")
+        if self.tool_choice not in (None, "none") and self.tools is None:
+            raise ValueError(f"tool_choice: {self.tool_choice_name!r} needs tools; set tools or leave tool_choice out")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: function {self.tool_choice.function.name!r} is not in tools {names}")
+        return self
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, list) and isinstance(self.prompt[0], ChatMessage)
+
+    @property
+    def tool_choice_name(self) -> str | None:
+        """'none' | 'auto' | 'required' | the named function; 'auto' when tools are given without a choice."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        if self.tool_choice is None and self.tools:
+            return "auto"
+        return self.tool_choice
+
 
 class Choice(BaseModel):
+    """One completion. `text` is the raw generated text; with tools, `content` is that text with the
+    tool-call markup removed (None when the output was only calls) and `tool_calls` the parsed calls
+    (None without tools, or when the parser found none); finish_reason is then "tool_calls", as vLLM
+    reports it (auto or required calls; a named call keeps "stop")."""
+
     model_config = ConfigDict(extra="forbid")
     text: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_defaults_to_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "content" not in data and "tool_calls" not in data:
+            data = {**data, "content": data.get("text")}
+        return data
 
 
 class GenerateResult(BaseModel):
@@ -190,6 +319,7 @@ class GenerateResult(BaseModel):
     prompt_token_ids: list[int]
     finish_reason: str | None
     choices: list[Choice]
+    tool_calls: list[ToolCall] | None = None  # choice 0's
     activations: dict[str, np.ndarray] = Field(default_factory=dict)
     positions: list[int] = Field(default_factory=list)
     capture_token_ids: list[int] = Field(default_factory=list)

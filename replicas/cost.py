@@ -25,8 +25,10 @@ def estimate_prompt_tokens(request: GenerateRequest) -> int:
         return 1 + len(prompt.encode()) // BYTES_PER_TOKEN_ESTIMATE
     if prompt and isinstance(prompt[0], int):
         return len(prompt)
-    return 1 + sum(  # chat messages
-        CHAT_TOKENS_PER_MESSAGE + len(m.content.encode()) // BYTES_PER_TOKEN_ESTIMATE  # type: ignore[union-attr]
+    tools = sum(len(t.model_dump_json()) for t in request.tools or ()) // BYTES_PER_TOKEN_ESTIMATE
+    return 1 + tools + sum(  # chat messages; tool calls and tool specs count as their JSON text
+        CHAT_TOKENS_PER_MESSAGE
+        + (len((m.content or "").encode()) + sum(len(c.model_dump_json()) for c in m.tool_calls or ())) // BYTES_PER_TOKEN_ESTIMATE  # type: ignore[union-attr]
         for m in prompt
     )
 

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -34,7 +34,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from replicas import arrays
-from replicas.api import CaptureSpec, Choice, GenerateRequest, GenerateResult, ModelInfo, as_request
+from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo, as_request
 from replicas.architectures import BlockShape, absent_kinds, block_shape
 from replicas.arena import (
     ArenaBudget, ArenaLayout, ArenaReader, BatchedTake, arena_blocks, arena_geometry, arena_limit_bytes, arena_path,
@@ -45,6 +45,7 @@ from replicas.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestError
 from replicas.hooks import served_hook_names
 from replicas.lifeline import SPILL_PREFIX, Owner, Progress, sweep_stale_spill_dirs
 from replicas.plans import PLAN_KEY, build_wire_plan, reduced_on_replica
+from replicas.tools import ToolCalling, ToolTurn, choice, template_inputs
 
 MIN_SHARED_MEMORY_BYTES = 2 << 30
 logger = logging.getLogger("capserve.engine")
@@ -146,28 +147,31 @@ class CaptureEngine:
 
     # ------------------------------------------------------------ requests
 
-    async def generate(self, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
+    async def generate(self, request: GenerateRequest | dict[str, Any], on_output: Callable[[Any], None] | None = None) -> GenerateResult:
+        """`on_output` sees each of vLLM's cumulative outputs as it comes (replicas.streaming); must not block."""
         request = _validated(request)
         if self.capture_failure is not None and (request.capture is not None or request.logits is not None):
             raise ReplicaUnavailableError(f"replica {self.name}: {self.capture_failure}")
-        prompt_ids = self._prompt_token_ids(request)
+        turn = self._tool_turn(request)  # None without tools
+        prompt_ids = self.prompt_token_ids(request, turn)
         key = uuid.uuid4().hex
         plan = self._plan(key, request, prompt_ids)
-        params = self._sampling_params(request, plan)
+        params = self._sampling_params(request, plan, turn)
         # an edit-only request is taken too: an edit the worker could not install fails it there
         finish = _Finish(plan is not None, request.capture, len(prompt_ids), self._arena_blocks(plan, request.n))
+        finish.tool_turn = turn
         budget = self._budget()
         await budget.acquire(finish.arena_blocks)
         try:
             if request.interventions:
                 async with self._edit_slots.hold(plan["edits"]):
-                    return await self._run(key, prompt_ids, params, finish)
-            return await self._run(key, prompt_ids, params, finish)
+                    return await self._run(key, prompt_ids, params, finish, on_output)
+            return await self._run(key, prompt_ids, params, finish, on_output)
         finally:
             if not finish.ran:  # never submitted: its blocks were never used
                 budget.release(finish.arena_blocks)
 
-    async def _run(self, key: str, prompt_ids: list[int], params: Any, finish: "_Finish") -> GenerateResult:
+    async def _run(self, key: str, prompt_ids: list[int], params: Any, finish: "_Finish", on_output: Any = None) -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
         final, completions, captured = None, {}, []
@@ -177,6 +181,8 @@ class CaptureEngine:
             try:
                 async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=key):
                     self.progress.output()
+                    if on_output is not None:
+                        on_output(output)
                     final = output
                     # with n > 1 a step's output carries only the completions that advanced in it
                     completions.update((c.index, c) for c in output.outputs)
@@ -259,7 +265,13 @@ class CaptureEngine:
             )
         return blocks
 
-    def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+    def _tool_turn(self, request: GenerateRequest) -> ToolTurn | None:
+        """The request's tools (rendering, constraint, parsing), or None without tools."""
+        if request.tools and "_tool_calling" not in self.__dict__:  # vLLM's parser class, built once
+            self._tool_calling = ToolCalling.for_engine(self.config, self.tokenizer, self.llm.model_config)
+        return self._tool_calling.turn(request) if request.tools else None
+
+    def prompt_token_ids(self, request: GenerateRequest, turn: ToolTurn | None = None) -> list[int]:
         prompt = request.prompt
         if self.tokenizer is None and not isinstance(prompt[0], int):
             raise InvalidRequestError("prompt: this replica runs without a tokenizer (skip_tokenizer_init); send token ids")
@@ -270,8 +282,8 @@ class CaptureEngine:
             if max(ids) >= self._info.d_vocab:
                 raise InvalidRequestError(f"prompt: token id {max(ids)} is outside the vocabulary (0..{self._info.d_vocab - 1})")
         else:
-            messages = [m.model_dump() for m in prompt]  # type: ignore[union-attr]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            messages, tools = template_inputs(request, turn or self._tool_turn(request))
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         limit = self._info.max_model_len
         if len(ids) + request.max_tokens > limit:
@@ -301,9 +313,10 @@ class CaptureEngine:
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
 
-    def _sampling_params(self, request: GenerateRequest, plan: dict[str, Any] | None) -> Any:
+    def _sampling_params(self, request: GenerateRequest, plan: dict[str, Any] | None, turn: ToolTurn | None = None) -> Any:
         from vllm import SamplingParams
 
+        turn = turn or self._tool_turn(request)
         return SamplingParams(
             n=request.n,
             max_tokens=request.max_tokens,
@@ -316,15 +329,14 @@ class CaptureEngine:
             prompt_logprobs=request.prompt_logprobs,
             ignore_eos=request.ignore_eos,
             extra_args={PLAN_KEY: plan} if plan else None,
+            **(turn.sampling_options() if turn is not None else {}),  # structured outputs for a forced call
         )
 
     def _result(
         self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]], finish: "_Finish"
     ) -> GenerateResult:
-        choices = [
-            Choice(text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason, logprobs=_logprobs(c.logprobs))
-            for c in completions
-        ]
+        turn = finish.tool_turn
+        choices = [choice(turn, c.text, list(c.token_ids), c.finish_reason, _logprobs(c.logprobs)) for c in completions]
         prompt_ids = list(final.prompt_token_ids)
         result = GenerateResult(
             request_id=key,
@@ -333,6 +345,7 @@ class CaptureEngine:
             prompt_token_ids=prompt_ids,
             finish_reason=choices[0].finish_reason,
             choices=choices,
+            tool_calls=choices[0].tool_calls,
             logprobs=choices[0].logprobs,
             prompt_logprobs=[_logprob_row(row) for row in final.prompt_logprobs] if final.prompt_logprobs else None,
             replica=self.name,
@@ -371,6 +384,7 @@ class _Finish:
         self.taking = False  # its take is under way
         # a mean over rows that may run past the returned tokens is taken here, after trimming
         self.mean_dtype = capture.dtype if capture is not None and reduced_on_replica(capture, prompt_len) else None
+        self.tool_turn: ToolTurn | None = None  # parses the completions of a request with tools
 
     def rows(self, array: np.ndarray, kept: int) -> np.ndarray:
         """The first `kept` rows, or their mean; a mean the worker took ([d]) covers prompt rows only."""

@@ -3,7 +3,7 @@ checkpoint decides (its architecture's block shape, and for dtype auto its own d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -106,6 +106,25 @@ class EngineConfig(BaseModel):
     allow_unverified_vllm: bool = Field(
         False, description="Run on a vLLM release capserve's internals were not verified on (replicas/_vllm.py)."
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM tool parser that finds tool calls in generated text, as `vllm serve --tool-call-parser` "
+        "(e.g. hermes for Qwen2.5/Hermes-style <tool_call> JSON; the built-in tiny models use hermes). None: "
+        "requests with tools are refused (tool_choice none excepted). Checked against vLLM's parsers at start.",
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        "auto",
+        description="How far vLLM's structural tags constrain tool calls (`vllm serve --tool-strict-level`): auto = "
+        "tool_choice required / a named function force the call's envelope, and a tool's arguments follow its "
+        "schema only when it says strict: true; function = the envelope on every request with tools; parameter = "
+        "also every tool's arguments, as if each were strict.",
+    )
+    tool_call_max_whitespace: int | None = Field(
+        None, ge=1,
+        description="Most whitespace characters between the JSON tokens of a constrained tool call's arguments "
+        "(xgrammar's max_whitespace_cnt). None: any, as vLLM. A random-weight model needs a bound (1) to end a "
+        "forced call; a trained one stops by itself.",
+    )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -147,6 +166,8 @@ class EngineConfig(BaseModel):
                 )
         from replicas import _vllm
 
+        if self.tool_call_parser is not None:
+            _vllm.check_tool_parser(self.tool_call_parser)  # before vLLM spends a minute starting
         on_cpu = _vllm.is_cpu_platform()
         eager = self.enforce_eager if self.enforce_eager is not None else on_cpu
         args: dict[str, Any] = {

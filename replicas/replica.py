@@ -20,6 +20,9 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -134,8 +137,45 @@ class EngineReplica:
 
     # ------------------------------------------------------------ requests
 
-    async def generate(self, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
-        return await self._serve("generate", request)
+    async def generate(self, request: GenerateRequest | dict[str, Any], options: Any = None) -> GenerateResult:
+        async with self._serving("generate", request, options) as (request, run):
+            run.result = await self._engine.generate(request)
+            return run.result
+
+    async def generate_stream(self, request: GenerateRequest | dict[str, Any], options: Any = None) -> AsyncIterator[Any]:
+        """Serve streaming (`handle.options(stream=True)`): `StreamDelta`s as the engine produces
+        tokens, then `StreamEnd` with the whole result (replicas.streaming). Closing the stream
+        early cancels the request in the engine."""
+        from replicas.streaming import StreamEnd, stream_generate
+
+        async with self._serving("generate_stream", request, options) as (request, run):
+            stream = stream_generate(self._engine, request, token_strs=run.options.token_strs)
+            try:
+                async for item in stream:
+                    if isinstance(item, StreamEnd):
+                        run.result = item.result
+                    yield item
+            finally:
+                await stream.aclose()
+
+    async def tokenize(self, request: GenerateRequest | dict[str, Any], add_special_tokens: bool = True,
+                       token_strs: bool = False) -> dict[str, Any]:
+        """/tokenize: the prompt's token ids as generate() would run them (chat template and tools applied)."""
+        from replicas import tokens
+
+        return {**tokens.tokenize(self._engine, validated(request), add_special_tokens, token_strs),
+                "max_model_len": self._info.max_model_len}
+
+    async def detokenize(self, ids: list[int]) -> str:
+        from replicas import tokens
+
+        return tokens.detokenize(self._engine, ids, self._info.d_vocab)
+
+    async def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token's text (logprobs and echo on the OpenAI routes)."""
+        from replicas import tokens
+
+        return tokens.token_strings(self._engine, ids, self._info.d_vocab)
 
     async def info(self) -> ModelInfo:
         return self._info
@@ -179,32 +219,41 @@ class EngineReplica:
         time.sleep(min(max(seconds, 0.0), MAX_STALL_S))  # blocking on purpose: nothing else here may run
         return True
 
-    async def _serve(self, method: str, request: GenerateRequest | dict[str, Any]) -> GenerateResult:
+    @asynccontextmanager
+    async def _serving(self, method: str, request: GenerateRequest | dict[str, Any], options: Any) -> AsyncIterator[tuple[GenerateRequest, "_Run"]]:
+        """One request's bookkeeping: refused while draining, counted in flight (load, drain),
+        metrics, and an engine failure turned into ReplicaUnavailableError (the router retries)."""
+        from replicas.streaming import CallOptions
+
         if self._draining:
             raise ReplicaUnavailableError(f"replica {self.name} is shutting down; retry on another replica")
         started = time.monotonic()
         request = validated(request)
-        key = id(asyncio.current_task())
-        self._in_flight[key] = request_cost(request, self._info.d_model, self._info.d_vocab)
+        run = _Run(options if isinstance(options, CallOptions) else CallOptions.model_validate(options or {}))
+        key = object()
+        self._in_flight[id(key)] = request_cost(request, self._info.d_model, self._info.d_vocab)
         self._idle.clear()
-        outcome, result = "error", None
+        outcome = "error"
         try:
-            result = await self._engine.generate(request)
+            if run.options.fill_max_tokens:
+                from replicas.tokens import fill_max_tokens
+
+                request = fill_max_tokens(self._engine, request, self._info.max_model_len)
+            yield request, run
             outcome = "ok"
-            return result
         except (InvalidRequestError, CaptureFailedError):
             outcome = "invalid"
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
         except Exception as exc:
             raise await self._classify(exc) from exc
         finally:
-            self._in_flight.pop(key, None)
+            self._in_flight.pop(id(key), None)
             if not self._in_flight:
                 self._idle.set()
-            self._metrics.record(method, outcome, started, result)
+            self._metrics.record(method, outcome, started, run.result)
 
     async def _classify(self, exc: Exception) -> Exception:
         """An engine that no longer answers makes the failure the replica's, so the router retries."""
@@ -236,6 +285,12 @@ class EngineReplica:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+@dataclass
+class _Run:
+    options: Any  # replicas.streaming.CallOptions
+    result: GenerateResult | None = None
 
 
 def _serve_identity() -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -30,6 +31,7 @@ Arch = Literal[
     "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gpt_neox", "olmo2", "phi3",
 ]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
+logger = logging.getLogger("capserve.tiny")
 
 # EOS is spelled <|endoftext|> because transformers 5 forces Qwen2Tokenizer for model_type qwen2,
 # and that class adds <|endoftext|> (its default unk) when missing: an id past vocab_size.
@@ -39,10 +41,38 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
 VOCAB_TARGET = 500  # upper bound; the corpus yields ~450, not a multiple of 64 (vLLM pads lm_head)
 
 # ChatML-style; the template adds BOS itself, so callers tokenize its output without special tokens.
+# Tools in the Hermes / Qwen2.5 format that vLLM's `hermes` tool parser reads: the tools listed as
+# JSON inside <tools></tools> in the system turn, calls as <tool_call>{"name": ..., "arguments":
+# {...}}</tool_call> in the assistant turn, results as `tool` turns inside <tool_response>. The
+# byte-level BPE spells those markers as several tokens (they are not special tokens). No
+# instructions around the tools: the tiny vocabulary spends ~1 token per 1.3 characters of JSON and
+# the models have 512 positions. A conversation without tools renders as plain ChatML did.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{{ bos_token }}"
+    "{% set messages_ = messages %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}"
+    "{% set messages_ = messages[1:] %}{% endif %}"
+    "{{ '<tools>' }}{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools><|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages_ %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    "{% if loop.first and not message['content'] %}{{ '<tool_call>\n' }}{% else %}{{ '\n<tool_call>\n' }}{% endif %}"
+    "{{ '{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 # Written for this module; enough text for ~240 BPE merges. Changing it changes every tiny model.
@@ -261,6 +291,30 @@ def _build(arch: Arch, out: Path, seed: int) -> None:
     ).save_pretrained(out)
 
 
+def _refresh_chat_template(folder: Path) -> None:
+    """Give a folder built before the template learned tools today's CHAT_TEMPLATE. Only the
+    template files change (a conversation without tools renders as before); the weights and the
+    vocabulary stay. Each file is replaced atomically, so concurrent callers are safe."""
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    jinja = folder / "chat_template.jinja"
+    if tc.get("chat_template") == CHAT_TEMPLATE and (not jinja.exists() or jinja.read_text() == CHAT_TEMPLATE):
+        return
+    tc["chat_template"] = CHAT_TEMPLATE
+    updates = {tc_path: json.dumps(tc, indent=2, ensure_ascii=False) + "\n"}
+    if jinja.exists():
+        updates[jinja] = CHAT_TEMPLATE
+    try:
+        for path, text in updates.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+    except OSError as exc:  # a shared, read-only cache: it still serves everything but tools
+        logger.warning("tiny model %s keeps its old chat template (no tools): %s", folder, exc)
+
+
 def default_path(arch: str, seed: int = 0) -> Path:
     """Shared per-user cache folder, so repeated test runs reuse one build."""
     root = Path(os.environ.get("CAPSERVE_CACHE", Path.home() / ".cache" / "capserve"))
@@ -278,6 +332,7 @@ def make_tiny_model(arch: str = "llama", path: str | Path | None = None, seed: i
     final = Path(path) if path is not None else default_path(arch, seed)
     final = final.expanduser().resolve()
     if _is_complete(final):
+        _refresh_chat_template(final)
         return str(final)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         raise FileExistsError(f"{final} exists but is not a complete tiny model; remove it")

@@ -53,6 +53,8 @@ def test_defaults_serve_the_tiny_model_on_two_cpu_replicas():
     assert router_config(args).replica_slots == 512
     assert AppArgs(max_capture_bytes=1000).engine_config("m").max_capture_bytes == 1000
     assert isinstance(build_app({"num_replicas": 1}), Application)
+    assert config.tool_call_parser == "hermes" and config.tool_call_max_whitespace == 1  # its chat template's format
+    assert args.engine_config("/models/real").tool_call_parser is None  # a real model: the user names its parser
 
 
 def test_placement_resources_and_autoscaling_delays_reach_the_deployments():

@@ -33,6 +33,7 @@ HOOK = "blocks.1.hook_resid_post"
 N_SAMPLES = 20
 MAX_TOKENS = 16
 TOL = 1e-4
+CALL_TOKENS = 160  # a forced call: the random-weight model spells its markup a character or two a token
 REPO = Path(__file__).resolve().parents[1]
 
 TASK = textwrap.dedent(
@@ -111,6 +112,7 @@ def inspect_env(root: Path) -> dict[str, str]:
 
 
 def app_args(num_replicas: int) -> dict[str, Any]:
+    # the tiny model's defaults (deploy.config.TINY_TOOL_SETTINGS) parse its Hermes tool calls
     return {"num_replicas": num_replicas, "engine": {"max_model_len": 512, "max_num_seqs": 64}}
 
 
@@ -269,6 +271,60 @@ def test_client_sync_and_async_capture_many_equal_the_handle(cluster):
     for got, reference in zip(first4, direct):
         np.testing.assert_allclose(got.activations[HOOK], reference.activations[HOOK], atol=TOL, rtol=0)
     client.close()
+
+
+def test_an_inspect_tool_call_round_trips_through_the_app(cluster, tmp_path):
+    """In-process eval: inspect's tools go to the replica, whose chat template renders them; the
+    forced call comes back as an inspect ToolCall, inspect runs the tool, and the second turn
+    (the call and its result rendered by the template) generates text."""
+    from inspect_ai import Task, eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.model import GenerateConfig, get_model
+    from inspect_ai.solver import generate, use_tools
+    from inspect_ai.tool import ToolFunction
+    from transformers import AutoTokenizer
+
+    import provider._registry  # noqa: F401
+    from tests.test_tools import addition
+
+    question = "What is 17 + 25?"
+    solver = [
+        use_tools(addition(), tool_choice=ToolFunction(name="addition")),
+        # the forced call, and inspect runs it (the grammar forces ~15 tokens of call markup)
+        generate(tool_calls="single", max_tokens=CALL_TOKENS),
+        use_tools(tool_choice="none"),
+        generate(tool_calls="none", max_tokens=8),  # a second turn over the call and its result
+    ]
+    model = get_model(f"capserve/{Path(cluster.model).name}", app=APP, memoize=False, config=GenerateConfig(temperature=0.0))
+    (log,) = eval(Task(dataset=[Sample(id=0, input=question)], solver=solver), model=model, log_dir=str(tmp_path / "logs"), display="none")
+    assert log.status == "success", log.error
+    (sample,) = log.samples
+    assert [m.role for m in sample.messages] == ["user", "assistant", "tool", "assistant"], sample.messages
+    (call,) = sample.messages[1].tool_calls
+    assert call.function == "addition" and call.parse_error is None and set(call.arguments) == {"x", "y"}
+    assert all(isinstance(v, int) for v in call.arguments.values())
+    result = sample.messages[2]
+    assert result.tool_call_id == call.id and result.error is None and result.text == str(call.arguments["x"] + call.arguments["y"])
+    assert sample.messages[3].tool_calls is None and sample.output.usage.output_tokens >= 1
+
+    # the same first turn straight through the handle: same call, and its prompt holds the schema
+    tools = [{"type": "function", "function": {"name": "addition", "description": "Add two numbers.", "parameters": _addition_parameters()}}]
+    (direct,) = cluster.direct("generate", [{"prompt": [{"role": "user", "content": question}], "tools": tools, "max_tokens": CALL_TOKENS,
+                                             "temperature": 0.0, "tool_choice": {"type": "function", "function": {"name": "addition"}}}])  # fmt: skip
+    assert json.loads(direct.tool_calls[0].function.arguments) == call.arguments
+    prompt = AutoTokenizer.from_pretrained(cluster.model).decode(direct.prompt_token_ids)
+    for text in ("<tools>", '"addition"', '"x"', '"y"', "First number to add.", question):
+        assert text in prompt
+    model_calls = [e for e in sample.events if e.event == "model"]
+    assert model_calls[0].output.usage.input_tokens == len(direct.prompt_token_ids)
+
+
+def _addition_parameters() -> dict[str, Any]:
+    from inspect_ai.tool import ToolDef
+
+    from tests.test_tools import addition
+
+    return ToolDef(addition()).parameters.model_dump(exclude_none=True)
 
 
 # ---------------------------------------------------------------- measured, not asserted (runs last: it scales the app down)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import http
+from deploy import http, http_parts
 from deploy.config import AppArgs, read_api_key, router_config
 from replicas import arrays
 from replicas.replica import EngineReplica
@@ -54,13 +54,13 @@ def test_wire_arrays_refuse_object_dtypes():
 
 def test_the_bearer_check_compares_in_constant_time(monkeypatch):
     compared = []
-    real = http.hmac.compare_digest
+    real = http_parts.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(http.hmac, "compare_digest", spy)
+    monkeypatch.setattr(http_parts.hmac, "compare_digest", spy)
     http.check_bearer("Bearer s3cret", "s3cret")
     with pytest.raises(http.HttpError) as info:
         http.check_bearer("Bearer guess", "s3cret")

