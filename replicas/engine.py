@@ -43,7 +43,7 @@ from replicas.arena import (
 from replicas.engine_config import EngineConfig, checkpoint_facts
 from replicas.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.hooks import served_hook_names
-from replicas.lifeline import SPILL_PREFIX, Owner, Progress, sweep_stale_spill_dirs
+from replicas.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
 from replicas.plans import PLAN_KEY, build_wire_plan, reduced_on_replica
 from replicas.tools import ToolCalling, ToolTurn, choice, template_inputs
 
@@ -68,6 +68,7 @@ class CaptureEngine:
         # why captures fail at once on this replica (its worker's outbox died); None while they work
         self.capture_failure: str | None = None
         self.progress = Progress()
+        self.sweeper: Sweeper | None = None  # of this node's shared memory, set by start()
 
     @classmethod
     async def start(cls, config: EngineConfig | dict[str, Any], name: str | None = None) -> "CaptureEngine":
@@ -89,7 +90,8 @@ class CaptureEngine:
         )
         owner = Owner.current()
         parent = _spill_parent()
-        sweep_stale_spill_dirs(parent or tempfile.gettempdir())
+        sweeper = Sweeper(parent or tempfile.gettempdir())
+        sweeper.maybe()
         spill_dir = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent)
         owner.write(spill_dir)
         llm = None
@@ -99,7 +101,7 @@ class CaptureEngine:
             outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
             if outside:
                 raise ValueError(f"steer_layers: {outside} outside the model's layers 0..{engine._info.n_layers - 1}")
-            engine.spill_dir = spill_dir
+            engine.spill_dir, engine.sweeper = spill_dir, sweeper
             # map the worker's arena, then delete its name: its memory goes back with the last
             # process that maps it, also when the engine is killed rather than shut down
             engine._arena.attach(arena_path(spill_dir))
@@ -116,6 +118,8 @@ class CaptureEngine:
     async def check_health(self) -> None:
         """Raise if the engine core has failed or its process is gone. Answered here, in the
         replica's process: the engine-core thread may be busy for seconds in a large capture."""
+        if self.sweeper is not None:
+            self.sweeper.maybe()
         await self.llm.check_health()
         gone = [pid for pid in self.engine_pids() if not _running(pid)]
         if gone:

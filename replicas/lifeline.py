@@ -32,6 +32,7 @@ logger = logging.getLogger("capserve.lifeline")
 OWNER_FILE = "owner.json"
 SPILL_PREFIX = "capserve-"
 WATCH_PERIOD_S = 1.0
+SWEEP_PERIOD_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,24 @@ def end_engine(owner: Owner, lineage: list[Owner], spill_dir: str | None) -> Non
                 os.kill(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class Sweeper:
+    """Sweeps a node's shared-memory folders at a replica's start and then at most every
+    `period_s` (from its health check): an engine killed together with its worker (Ray kills a
+    worker's children when the worker exits in order, and vLLM's worker follows its engine core at
+    once) never runs its watchdog, and a replacement may have started before its folder was left."""
+
+    def __init__(self, parent: str, period_s: float = SWEEP_PERIOD_S) -> None:
+        self.parent = parent
+        self.period_s = period_s
+        self._at = -period_s
+
+    def maybe(self) -> list[str]:
+        if time.monotonic() - self._at < self.period_s:
+            return []
+        self._at = time.monotonic()
+        return sweep_stale_spill_dirs(self.parent)
 
 
 def sweep_stale_spill_dirs(parent: str) -> list[str]:

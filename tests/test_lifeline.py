@@ -23,7 +23,7 @@ from bench.load import left_behind, wait_engine_gone
 from replicas.api import ModelInfo
 from replicas.engine import CaptureEngine
 from replicas.engine_config import EngineConfig
-from replicas.lifeline import OWNER_FILE, SPILL_PREFIX, Owner, engine_lineage, sweep_stale_spill_dirs
+from replicas.lifeline import OWNER_FILE, SPILL_PREFIX, Owner, Sweeper, engine_lineage, sweep_stale_spill_dirs
 
 # The stand-in replica: start an engine, print its identity, then wait to be killed.
 REPLICA = """
@@ -140,3 +140,16 @@ def test_an_engine_dies_with_a_sigkilled_replica(tiny_models):
             os.killpg(replica.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_the_sweeper_sweeps_at_once_then_at_most_every_period(tmp_path):
+    sweeper = Sweeper(str(tmp_path), period_s=60)
+    first, second = (tmp_path / f"{SPILL_PREFIX}{n}" for n in ("first", "second"))
+    first.mkdir()
+    Owner(dead_pid(), time.time()).write(str(first))
+    assert sweeper.maybe() == [str(first)]
+    second.mkdir()
+    Owner(dead_pid(), time.time()).write(str(second))
+    assert sweeper.maybe() == [] and second.exists()  # within the period: nothing read
+    sweeper.period_s = 0
+    assert sweeper.maybe() == [str(second)]

@@ -257,10 +257,10 @@ def test_hostile_bodies_are_rejected_early_with_a_clear_error(app, tmp_path, fig
 # ---------------------------------------------------------------- 4. security
 
 
-def test_every_route_but_healthz_needs_the_token_and_errors_never_echo_it(app):
-    from deploy.http import api
+def test_every_route_but_the_probes_needs_the_token_and_errors_never_echo_it(app):
+    from deploy.http import OPEN_PATHS, api
 
-    routes = [(route.path, sorted(route.methods)[0]) for route in api.routes if route.path != "/healthz"]
+    routes = [(route.path, sorted(route.methods)[0]) for route in api.routes if route.path not in OPEN_PATHS]
     assert {"/v1/generate", "/v1/capture", "/v1/info", "/openapi.json", "/docs"} <= {p for p, _ in routes}
     with httpx.Client(base_url=URL, timeout=60) as client:
         for path, method in routes:
@@ -269,7 +269,7 @@ def test_every_route_but_healthz_needs_the_token_and_errors_never_echo_it(app):
                 response = client.request(method, path, headers=headers, json={"prompt": "x"})
                 assert response.status_code == 401, (path, headers, response.status_code)
                 assert KEY[:-1] not in response.text
-        assert client.get("/healthz").status_code == 200
+        assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
         assert client.get("/openapi.json", headers=AUTH).json()["paths"]["/v1/generate"]
         assert client.get("/docs", headers=AUTH).status_code == 200
         assert client.get("/v1/info", headers=AUTH).json()["max_model_len"] == MAX_MODEL_LEN
