@@ -9,10 +9,10 @@ shared memory behind. docs/serving.md explains the settings.
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
+from bench.common import free_port
 from bench.load import Fleet, Mix, Stream, wait_engine_gone, wait_until
 from replicas.tiny import make_tiny_model
 from tests.reliability.reference import Reference
@@ -35,11 +35,6 @@ ARGS = {
 TRICKLE, SURGE = 2, 24  # requests in flight; the target is 4 per replica
 MAX_TOKENS = 24
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

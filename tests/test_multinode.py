@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.common import free_port
 from bench.load import wait_engine_gone, wait_until
 from provider.shards import finished_shards, load_capture
 from replicas import arrays
@@ -44,11 +44,6 @@ ARGS = {
     "engine": {"max_model_len": 512, "max_num_seqs": 32},
 }
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt(i: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections import Counter
 from typing import Any
 
@@ -17,20 +16,14 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.common import free_port
 from replicas import arrays
 
 pytestmark = pytest.mark.serve
 
 openai = pytest.importorskip("openai")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-PORT = _free_port()
+PORT = free_port()
 URL = f"http://127.0.0.1:{PORT}"
 KEY = "openai-test-key"
 MODEL = "tiny-llama"
