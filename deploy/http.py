@@ -127,6 +127,7 @@ class HttpResult(BaseModel):
     prompt_logprobs: list[dict[str, float] | None] | None
     tool_calls: list[dict[str, Any]] | None = None
     replica: str | None
+    sae: dict[str, dict[str, Any]] = {}  # by sae_id: hook, positions, ids, values, error (arrays encoded)
 
 
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/GenerateRequest"}}}}}

@@ -177,6 +177,8 @@ def capserve_field(result: GenerateResult, download: dict[str, Any] | None = Non
         "capture_token_ids": result.capture_token_ids,
         "logits_positions": result.logits_positions,
     }
+    if result.sae:  # SAE features (replicas.api.SaeFeatures), arrays in the base64 format
+        field["sae"] = {sae_id: features.model_dump(mode="json") for sae_id, features in result.sae.items()}
     if len(result.choices) > 1:
         field["choice_token_ids"] = [c.token_ids for c in result.choices]
     if download is not None:

@@ -7,6 +7,7 @@ Public names:
     from provider import activation_info                    # hooks, positions, replica of a call
     from provider import load_capture                       # shards written by `capserve capture`
     from provider.inspect_provider import CapserveAPI       # the ModelAPI (registered by entry point)
+    from provider.tl_bridge import boot_bridge              # TransformerLens's bridge on the app (extra tl)
 
 Importing this package imports neither Ray nor inspect_ai; each is imported when first needed.
 """

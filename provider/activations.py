@@ -10,6 +10,8 @@ into the .eval log; numpy arrays would be logged as null):
     "activation_token_ids": the tokens at those positions
     "activation_reduce":    "none" | "mean"
     "logits", "logits_positions": the same array entry and rows, when logits were asked for
+    "sae":                  {"<sae_id>": {"hook", "positions", "ids", "values", "error"}}, SAE
+                            features (replicas.api.SaeFeatures), arrays inline as above (they are small)
 
 Keys are TransformerLens's wire keys (`"1:resid_post"`; the final norm keeps its full name
 `"ln_final.hook_normalized"`) and inline entries use its `{"data", "dtype", "shape"}` format
@@ -94,6 +96,8 @@ def result_metadata(
         }
         written = tensors
     logits = encoded.pop(LOGITS, None)
+    if result.sae:
+        meta["sae"] = {sae_id: features.model_dump(mode="json") for sae_id, features in result.sae.items()}
     if hooks:
         meta["activations"] = encoded
     if logits is not None:

@@ -2,6 +2,7 @@
 
     capserve capture prompts.jsonl --out acts/ --hooks blocks.6.hook_resid_post --positions all
     capserve serve --model meta-llama/Llama-3.1-8B --num-replicas 8
+    capserve export acts/ --out acts-saelens/ --hooks blocks.6.hook_resid_post   # for SAELens
 
 `capture` talks to a running app (`serve run serve_config.yaml` or `capserve serve`) through
 its Serve handle (`--app`, `--address`) or its HTTP API (`--http URL`). Rerunning the same
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _capture_parser(commands)
     _serve_parser(commands)
+    _export_parser(commands)
     return parser
 
 
@@ -88,6 +90,27 @@ def _serve_parser(commands: Any) -> None:
     p.add_argument("--port", type=int, default=None, help="HTTP port (default from the config: 8000)")
     p.add_argument("--address", default=None, help="Ray cluster to run on (default: start a local one)")
     p.add_argument("--dry-run", action="store_true", help="print the config and the command instead of running")
+
+
+def _export_parser(commands: Any) -> None:
+    from provider.saelens_export import EXPORT_DTYPES, LAYOUTS
+
+    p = commands.add_parser(
+        "export", help="convert a capture folder into the dataset SAELens trains from",
+        description="Convert a `capserve capture` folder into SAELens's cached-activations dataset "
+                    "(LanguageModelSAERunnerConfig(use_cached_activations=True, cached_activations_path=OUT)). "
+                    "Needs the `datasets` package: run it where SAELens is installed. See docs/saelens.md.",
+    )
+    p.add_argument("capture", type=Path, help="a complete `capserve capture --out` folder")
+    p.add_argument("--out", type=Path, required=True, help="new folder for the dataset (must not exist, or be empty)")
+    p.add_argument("--format", choices=("saelens",), default="saelens", help="output layout (default saelens)")
+    p.add_argument("--hooks", default=None, help="comma-separated hooks to export, one column each (default: every captured hook)")
+    p.add_argument("--context-size", type=int, default=None,
+                   help="rows per sequence, SAELens's context_size (default: the rows per line, when every line has the same)")
+    p.add_argument("--layout", choices=LAYOUTS, default="exact",
+                   help="exact: each line is one sequence of --context-size rows; truncate: each line's first "
+                        "--context-size rows; pack: all rows cut into sequences across lines (default exact)")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="stored dtype (default float32)")
 
 
 # ---------------------------------------------------------------- capture
@@ -153,6 +176,23 @@ async def _run(args: argparse.Namespace, options: Any, backend: Any) -> Any:
         return await run_capture(args.input, args.out, options, backend, progress=not args.no_progress)
     finally:
         await backend.close()
+
+
+# ---------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from provider.saelens_export import ExportError, export_saelens
+
+    hooks = [h.strip() for h in args.hooks.split(",") if h.strip()] if args.hooks else None
+    try:
+        plan = export_saelens(args.capture, args.out, hooks, args.context_size, args.layout, args.dtype)
+    except ExportError as exc:
+        return _fail(str(exc), 2)
+    columns = ", ".join(f"{c} d_in {plan.d_in[h]}" for h, c in zip(plan.hooks, plan.columns))
+    print(f"capserve export: {plan.sequences} sequences x {plan.context_size} rows ({columns}; layout {plan.layout}, "
+          f"{plan.dtype}; {plan.rows_dropped} rows left out) -> {args.out}", file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------- serve
@@ -223,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "capture":
         return cmd_capture(args)
+    if args.command == "export":
+        return cmd_export(args)
     return cmd_serve(args)
 
 

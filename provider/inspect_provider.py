@@ -17,6 +17,9 @@ the parser its engine config names (`tool_call_parser`, e.g. hermes) and come ba
 `{"capture": {...}, "interventions": [...], "logits": {"positions": "last_prompt"}}`; a
 `capture` there is merged over the `-M` capture defaults (`"capture": None` turns it off).
 
+TransformerLens's inspect protocol (`extra_body={"extra_args": {...}}`, what its bridge sends its
+`tl_bridge_vllm` provider) is answered in that protocol's format: `provider.tl_protocol`.
+
 Activations land in `ModelOutput.metadata` (format: `provider.activations`); read them back with
 `provider.read_activations(log_file, sample_id)`. `metadata["replica"]` names the replica that
 served the call.
@@ -50,6 +53,7 @@ from inspect_ai.tool import ToolCall, ToolChoice, ToolFunction, ToolInfo
 
 from provider import activations as acts
 from provider._serve import AppConnection, classify, unwrap
+from provider.tl_protocol import TLCall
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
 from replicas.errors import InvalidRequestError
 
@@ -132,9 +136,13 @@ class CapserveAPI(ModelAPI):
         for name in UNSUPPORTED:
             if getattr(config, name, None) is not None:
                 self._warn_once(name, f"capserve: GenerateConfig.{name} is not supported and is ignored")
-        request = build_request(input, config, self.capture_defaults, tools=tools, tool_choice=tool_choice)
+        tl_call = TLCall.parse(config)  # TransformerLens's protocol (extra_body.extra_args), or None
+        if tl_call is None:
+            request = build_request(input, config, self.capture_defaults, tools=tools, tool_choice=tool_choice)
         handle = await self._handle()
         await self._check_model(handle)
+        if tl_call is not None:
+            request = tl_call.request([chat_message(m) for m in input], config, await self._model_info(handle))
         started = time.monotonic()
         response = handle.generate.remote(request)
         try:
@@ -152,7 +160,7 @@ class CapserveAPI(ModelAPI):
         except Exception as exc:
             raise unwrap(exc) from None
         elapsed = time.monotonic() - started
-        output = await self._output(request, result, elapsed)
+        output = await self._output(request, result, elapsed, tl_call)
         call = ModelCall.create(request=request, response=response_summary(result), time=elapsed)
         return output, call
 
@@ -161,6 +169,10 @@ class CapserveAPI(ModelAPI):
     async def _handle(self) -> Any:
         # Connecting (ray.init, looking the app up) blocks, so it runs off inspect's event loop.
         return self._conn.connected or await asyncio.to_thread(self._conn.handle)
+
+    async def model_info(self) -> ModelInfo:
+        """The served model's facts (fetched once per provider): layers, widths, armed kinds."""
+        return await self._model_info(await self._handle())
 
     async def _model_info(self, handle: Any) -> ModelInfo:
         if self._info is None:
@@ -179,7 +191,9 @@ class CapserveAPI(ModelAPI):
             )
         self._warned.add("model")
 
-    async def _output(self, request: dict[str, Any], result: GenerateResult, elapsed: float) -> ModelOutput:
+    async def _output(
+        self, request: dict[str, Any], result: GenerateResult, elapsed: float, tl_call: TLCall | None = None
+    ) -> ModelOutput:
         top, prompt_top = request.get("logprobs"), request.get("prompt_logprobs")
         text = await self._token_text() if top is not None or prompt_top is not None else str
         choices = [
@@ -205,13 +219,13 @@ class CapserveAPI(ModelAPI):
             output_tokens=output_tokens,
             total_tokens=len(result.prompt_token_ids) + output_tokens,
         )
-        metadata = await self._metadata(request, result)
+        metadata = tl_call.metadata(result) if tl_call is not None else await self._metadata(request, result)
         return ModelOutput(model=self.model_name, choices=choices, usage=usage, time=elapsed, metadata=metadata)
 
     async def _metadata(self, request: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
         meta: dict[str, Any] = {"replica": result.replica, "request_id": result.request_id}
         capture = request.get("capture")
-        if capture is None and result.logits is None:
+        if capture is None and result.logits is None and not result.sae:
             return meta
         encoded, tensors = acts.result_metadata(
             result,

@@ -9,6 +9,7 @@ these, the error raised here names the function to update; nothing else in capse
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +48,24 @@ def check_version(allow_unverified: bool) -> str:
     )
 
 
+# Plugins that capture activations themselves by wrapping vLLM's worker: they would wrap capserve's
+# worker too, and importing them costs seconds in every engine process.
+FOREIGN_CAPTURE_PLUGINS = ("tl_vllm_capture",)  # transformer-lens 4.x (the `tl` extra)
+_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.io_processor_plugins", "vllm.stat_logger_plugins")
+
+
+def skip_foreign_capture_plugins() -> None:
+    """Name every other installed vLLM plugin in VLLM_PLUGINS (vLLM's allow-list), unless the
+    user set it. Engine processes inherit it."""
+    from importlib.metadata import entry_points
+
+    if "VLLM_PLUGINS" in os.environ:
+        return
+    names = sorted({e.name for group in _PLUGIN_GROUPS for e in entry_points(group=group)})
+    if any(name in FOREIGN_CAPTURE_PLUGINS for name in names):
+        os.environ["VLLM_PLUGINS"] = ",".join(name for name in names if name not in FOREIGN_CAPTURE_PLUGINS)
+
+
 # ---------------------------------------------------------------- worker classes
 
 
@@ -80,6 +99,7 @@ class ModelLayout:
     attn_out: list[nn.Module]  # per layer, the module whose output attention adds to the stream
     mlp_out: list[nn.Module]  # the same for the MLP
     final_norm: nn.Module
+    attention: list[nn.Module]  # per layer, vLLM's attention op (reads q, k, v; returns z)
     layer_params: tuple[str, ...]  # the layer forward's parameter names, to find its inputs by name
     d_model: int
     vocab_size: int
@@ -129,6 +149,7 @@ def model_layout(runner: Any, shape: str) -> ModelLayout:
         attn_out=attn_out,
         mlp_out=mlp_out,
         final_norm=final_norm,
+        attention=[_attention_op(layer) for layer in layers],
         layer_params=tuple(inspect.signature(layers[0].forward).parameters),
         d_model=int(text_config.hidden_size),
         vocab_size=int(runner.model_config.get_vocab_size()),
@@ -141,6 +162,65 @@ def _child(module: nn.Module, names: tuple[str, ...], function: str, what: str) 
         if child is not None:
             return child
     raise VllmInternalsError(function, f"{type(module).__name__} has none of {', '.join(names)} ({what})")
+
+
+def _attention_op(layer: nn.Module) -> nn.Module:
+    """The layer's vLLM `Attention` (the op that stores k, v in the cache and attends). vLLM's own
+    models call it as a module; the Transformers backend hangs it on HF's attention module and
+    calls its `forward` directly, which is why capserve wraps `forward` rather than hooking."""
+    found = [m for m in layer.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl") and hasattr(m, "num_kv_heads")]
+    if len(found) != 1:
+        raise VllmInternalsError("model_layout", f"{type(layer).__name__} holds {len(found)} vLLM Attention ops, expected 1")
+    return found[0]
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """One layer's attention as vLLM runs it: what a pattern computed from q and k needs."""
+
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_head_v: int
+    scale: float
+    soft_cap: float  # 0: none
+    sliding_window: int | None  # keys within this many positions of the query, itself included
+
+
+def attention_geometry(attention: nn.Module) -> AttentionGeometry:
+    try:
+        impl = attention.impl
+        return AttentionGeometry(
+            n_heads=int(attention.num_heads),
+            n_kv_heads=int(attention.num_kv_heads),
+            d_head=int(attention.head_size),
+            d_head_v=int(getattr(attention, "head_size_v", attention.head_size)),
+            scale=float(impl.scale),
+            soft_cap=float(getattr(impl, "logits_soft_cap", 0) or 0),
+            sliding_window=_window(getattr(attention, "sliding_window", None)),
+        )
+    except AttributeError as exc:
+        raise VllmInternalsError("attention_geometry", f"{type(attention).__name__}: {exc}") from None
+
+
+def _window(value: Any) -> int | None:
+    """vLLM keeps a window as an int (or, in some backends, a (left, right) pair with -1 = none)."""
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        return None if value[0] < 0 else int(value[0]) + 1
+    return int(value) if value > 0 else None
+
+
+def wrap_attention(attention: nn.Module, before: Callable[..., tuple], after: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Run `before(q, k, v) -> (q, k, v)` on the op's inputs and `after(z) -> z` on its output."""
+    forward = attention.forward
+
+    def wrapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        query, key, value = before(query, key, value)
+        return after(forward(query, key, value, *args, **kwargs))
+
+    attention.forward = wrapped
 
 
 def layer_inputs(layout: ModelLayout, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:

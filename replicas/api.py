@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from replicas import arrays
-from replicas.hooks import resolve_hook
+from replicas.hooks import HEAD_KINDS, PATTERN_KINDS, resolve_hook
 
 
 def _to_float_array(value: Any) -> np.ndarray:
@@ -32,8 +32,8 @@ def _to_float_array(value: Any) -> np.ndarray:
         array = np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"expected an array of numbers: {exc}") from None
-    if array.ndim not in (1, 2) or array.size == 0:
-        raise ValueError(f"expected a non-empty 1-D or 2-D array, got shape {list(array.shape)}")
+    if array.ndim not in (1, 2, 3) or array.size == 0:
+        raise ValueError(f"expected a non-empty 1-D, 2-D or (per head) 3-D array, got shape {list(array.shape)}")
     if not np.isfinite(array).all():
         raise ValueError("array contains NaN or infinite values; only finite numbers are allowed")
     return array
@@ -80,6 +80,11 @@ class Intervention(BaseModel):
     `scale`: h * factor (0 ablates); `set`: replace rows with `values` (one row per selected
     position, or one row broadcast); `project_out`: h - (h . v) v for the unit vector v along
     `vector`.
+
+    On the attention hooks q, k, v and z (rows of n_heads x d_head), `heads` limits the edit to
+    those heads: `scale` with factor 0 on `blocks.{i}.attn.hook_z` ablates them. `vector` and
+    `values` are then full rows ([n_heads * d_head], or [n_heads, d_head] per row) of which only
+    the chosen heads' columns are used, or one head's width [d_head], used for each chosen head.
     """
 
     model_config = _STRICT
@@ -93,34 +98,89 @@ class Intervention(BaseModel):
     values: FloatArray | None = Field(None, description="set: [n_positions, d_model] or [d_model].")
     positions: Positions = "all"
     phase: Literal["prefill", "decode", "all"] = "all"
+    sae_id: str | None = Field(None, description="add by SAE feature: the SAE (engine option saes), with `feature`.")
+    feature: int | None = Field(
+        None, ge=0, description="add by SAE feature: its decoder row W_dec[feature] is the vector (give no `vector`)."
+    )
+    heads: list[int] | None = Field(
+        None, min_length=1, description="Attention hooks only: the heads to edit (default: every head)."
+    )
+
+    @field_validator("heads")
+    @classmethod
+    def _distinct_heads(cls, heads: list[int] | None) -> list[int] | None:
+        if heads is not None and (min(heads) < 0 or len(set(heads)) != len(heads)):
+            raise ValueError("heads must be distinct head indices >= 0")
+        return heads
 
     @field_validator("hook")
     @classmethod
     def _editable_hook(cls, hook: str) -> str:
-        if resolve_hook(hook).kind == "ln_final":
+        kind = resolve_hook(hook).kind
+        if kind == "ln_final":
             raise ValueError(f"hook {hook!r} cannot be edited; edit a layer's hook instead")
+        if kind in PATTERN_KINDS:
+            raise ValueError(f"hook {hook!r} is computed from q and k and cannot be edited; edit hook_q or hook_k")
         return hook
 
     @model_validator(mode="after")
     def _fields_match_op(self) -> "Intervention":
         needs = {"add": "vector", "project_out": "vector", "scale": "factor", "set": "values"}[self.op]
-        if getattr(self, needs) is None:
+        if self.sae_id is not None or self.feature is not None:
+            _check_feature_edit(self)
+        elif getattr(self, needs) is None:
             raise ValueError(f"op {self.op!r} needs field {needs!r}")
         for name in ("vector", "factor", "values"):
             if name != needs and getattr(self, name) is not None:
                 raise ValueError(f"field {name!r} does not apply to op {self.op!r} (it takes {needs!r})")
-        if self.vector is not None and self.vector.ndim != 1:
-            raise ValueError(f"vector must be 1-D [d_model], got shape {list(self.vector.shape)}")
+        per_head = resolve_hook(self.hook).kind in HEAD_KINDS
+        if self.vector is not None and self.vector.ndim != 1 and not (per_head and self.vector.ndim == 2):
+            raise ValueError(f"vector must be 1-D [d_model] (or [n_heads, d_head] on q, k, v, z), got shape {list(self.vector.shape)}")
+        if self.values is not None and self.values.ndim == 3 and not per_head:
+            raise ValueError(f"values must be [d_model] or [n_positions, d_model], got shape {list(self.values.shape)}")
+        if self.heads is not None and not per_head:
+            raise ValueError(f"heads applies to the attention hooks q, k, v and z only, not {self.hook!r}")
+        if self.heads is not None and self.norm_match:
+            raise ValueError("norm_match does not apply with heads (it matches the whole row's norm)")
         # both divide by |vector|: a zero (or underflowing) vector would make every edited row NaN
         if self.op == "project_out" and not np.linalg.norm(self.vector.astype(np.float64)) > 0:
             raise ValueError("vector: project_out needs a non-zero vector (it removes the direction along it)")
-        if self.op == "add" and self.norm_match and not np.linalg.norm(self.vector.astype(np.float64)) > 0:
+        if self.op == "add" and self.norm_match and self.vector is not None and not np.linalg.norm(self.vector.astype(np.float64)) > 0:
             raise ValueError("vector: add with norm_match needs a non-zero vector (its direction is rescaled to scale * |h|)")
         if self.factor is not None and not np.isfinite(self.factor):
             raise ValueError("factor must be a finite number")
         if not np.isfinite(self.scale):
             raise ValueError("scale must be a finite number")
         return self
+
+
+def _check_feature_edit(edit: Intervention) -> None:
+    if edit.op != "add":
+        raise ValueError(f"sae_id/feature steer with op 'add' only, not {edit.op!r}")
+    if edit.sae_id is None or edit.feature is None:
+        raise ValueError("steering by SAE feature needs both sae_id and feature")
+    if edit.vector is not None:
+        raise ValueError("give either vector or sae_id + feature, not both")
+
+
+class SaeSpec(BaseModel):
+    """SAE features of one hook, encoded on the replica's device: per position the `top_k`
+    largest feature activations of SAE `sae_id` (engine option saes), as ids and values."""
+
+    model_config = _STRICT
+    sae_id: str = Field(min_length=1, description="An SAE this replica loaded (engine option saes).")
+    hook: str | None = Field(None, description="The SAE's hook; optional, checked against the SAE's own when given.")
+    top_k: int = Field(32, ge=1, description="Features per position, at most the SAE's d_sae.")
+    positions: Positions = Field("all", description="As for capture: all | prompt | generated | last_prompt | [indices].")
+    error: Literal["none", "norm", "vector"] = Field(
+        "none",
+        description="Reconstruction error x - decode(encode(x)) per position: 'norm' its L2 norm [n_positions], "
+        "'vector' the vector itself [n_positions, d_model] (ships d_model rows again).",
+    )
+
+
+def _sae_list(value: Any) -> Any:
+    return [value] if isinstance(value, (dict, SaeSpec)) else value
 
 
 class LogitsSpec(BaseModel):
@@ -227,6 +287,9 @@ class GenerateRequest(BaseModel):
     capture: CaptureSpec | None = None
     interventions: list[Intervention] = Field(default_factory=list)
     logits: LogitsSpec | None = None
+    sae: Annotated[list[SaeSpec], BeforeValidator(_sae_list)] = Field(
+        default_factory=list, description="SAE features: one spec or a list, each a different sae_id."
+    )
     tools: list[Tool] | None = Field(
         None,
         description="Functions the model may call (chat prompts only); rendered by the chat template, calls "
@@ -240,6 +303,14 @@ class GenerateRequest(BaseModel):
     parallel_tool_calls: bool | None = Field(
         None, description="False: tool_choice 'required' yields exactly one call (default: one or more)."
     )
+
+    @field_validator("sae")
+    @classmethod
+    def _distinct_saes(cls, sae: list[SaeSpec]) -> list[SaeSpec]:
+        ids = [spec.sae_id for spec in sae]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sae lists an sae_id twice ({ids}); results are keyed by sae_id")
+        return sae
 
     @field_validator("prompt")
     @classmethod
@@ -305,6 +376,32 @@ class Choice(BaseModel):
         return data
 
 
+def _to_array(value: Any) -> np.ndarray:
+    return arrays.from_raw(value) if arrays.is_encoded_array(value) else np.asarray(value)
+
+
+ResultArray = Annotated[
+    np.ndarray,
+    BeforeValidator(_to_array),
+    PlainSerializer(lambda a: dict(arrays.to_base64(a)), when_used="json"),
+    WithJsonSchema({"type": "object", "description": "{dtype, shape, data: base64}"}),
+]
+
+
+class SaeFeatures(BaseModel):
+    """One SAE's features for a request; row i belongs to token position `positions[i]`. `ids`
+    int32 [n_positions, top_k] and `values` float32 [n_positions, top_k], largest first; past the
+    active features (value 0) the id is -1. `error`: see SaeSpec.error. In JSON each array is
+    `{"dtype", "shape", "data": base64}`."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    hook: str
+    positions: list[int]
+    ids: ResultArray
+    values: ResultArray
+    error: ResultArray | None = None
+
+
 class GenerateResult(BaseModel):
     """What one request produced. `activations[hook]` is [n_positions, d_model] (or [d_model]
     when reduced); `positions` are the absolute token positions of its rows and
@@ -327,11 +424,25 @@ class GenerateResult(BaseModel):
     logits_positions: list[int] = Field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    sae: dict[str, SaeFeatures] = Field(default_factory=dict, description="SAE features by sae_id.")
     replica: str | None = None
 
     @property
     def activation_bytes(self) -> int:
         return sum(a.nbytes for a in self.activations.values())
+
+
+class AttentionInfo(BaseModel):
+    """The model's attention as its engine runs it; lists hold one value per layer."""
+
+    model_config = ConfigDict(extra="forbid")
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_head_v: int
+    scale: list[float]
+    soft_cap: list[float] = Field(description="Logit soft-capping (0: none).")
+    sliding_window: list[int | None] = Field(description="Keys within this many positions of the query (itself included); None: all.")
 
 
 class ModelInfo(BaseModel):
@@ -345,6 +456,7 @@ class ModelInfo(BaseModel):
     dtype: str
     hook_names: list[str]
     armed_kinds: list[str]
+    attention: AttentionInfo | None = None
 
 
 def as_request(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:

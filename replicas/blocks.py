@@ -12,6 +12,8 @@ the MLP, so one set of hooks serves every shape:
 - attn_out, mlp_out: those modules' outputs;
 - resid_mid = resid_pre + attn_out (sequential shapes only; a parallel block has none);
 - resid_post: the layer's output (mlp_out + residual where fused).
+Per-head sites (q, k, v, z; armed only when asked) wrap each layer's vLLM attention op
+(`_vllm.wrap_attention`): q, k, v on the way in, z on the way out, as [tokens, heads x d_head].
 An edited residual stream is handed to the next norm whole, as (0, edited), so the next layer
 reads exactly the edited value; `hidden + (edited - value)` would be off by rounding, which the
 next RMSNorm blows up when the edit zeroes the stream. vLLM's Transformers backend runs HF's own
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from replicas import _vllm
-from replicas.hooks import LAYER_KINDS, HookPoint
+from replicas.hooks import HEAD_KINDS, LAYER_KINDS, HookPoint, captured_kinds
 from replicas.sites import Site
 
 Sites = dict[tuple[int | None, str], Site]
@@ -74,27 +76,41 @@ def _build_sites(
     def steered(layer: int, kind: str) -> bool:
         return kind in options.steer_kinds and (options.steer_layers is None or layer in options.steer_layers)
 
-    points = [HookPoint(layer, kind) for layer in range(len(layout.layers)) for kind in options.armed_kinds]  # type: ignore[arg-type]
+    kinds = captured_kinds(options.armed_kinds)
+    points = [HookPoint(layer, kind) for layer in range(len(layout.layers)) for kind in kinds]  # type: ignore[arg-type]
+    widths = {point: site_width(layout, point) for point in points}
     # one `set` values buffer shared by every site (replicas.sites), if any site takes edits
-    steers = options.edit_stages > 0 and any(steered(p.layer, p.kind) for p in points)  # type: ignore[arg-type]
-    values = torch.zeros(options.max_set_edits * max_tokens, layout.d_model, dtype=dtype, device=device) if steers else None
-    site_args = dict(
-        d_model=layout.d_model, max_tokens=max_tokens, edit_slots=options.edit_slots + 1,
-        dtype=dtype, device=device, values=values,
-    )
+    steered_widths = [widths[p] for p in points if steered(p.layer, p.kind)]  # type: ignore[arg-type]
+    steers = options.edit_stages > 0 and bool(steered_widths)
+    values = torch.zeros(options.max_set_edits * max_tokens, max(steered_widths), dtype=dtype, device=device) if steers else None
+    site_args = dict(max_tokens=max_tokens, edit_slots=options.edit_slots + 1, dtype=dtype, device=device, values=values)
     sites: Sites = {}
     for point in points:
         stages = options.edit_stages if steered(point.layer, point.kind) else 0  # type: ignore[arg-type]
-        sites[point] = Site(point, edit_stages=stages, capture=True, **site_args)
+        sites[point] = Site(
+            point, d_model=widths[point], edit_stages=stages, capture=True, per_column=point.kind in HEAD_KINDS, **site_args
+        )
     final = HookPoint(None, "ln_final")
-    sites[final] = Site(final, edit_stages=0, capture=True, **site_args)
+    sites[final] = Site(final, d_model=layout.d_model, edit_stages=0, capture=True, **site_args)
     return sites
 
 
+def site_width(layout: _vllm.ModelLayout, point: HookPoint) -> int:
+    """d_model, or heads x d_head for the per-head kinds (k and v have the model's KV heads)."""
+    if point.kind not in HEAD_KINDS:
+        return layout.d_model
+    geometry = _vllm.attention_geometry(layout.attention[point.layer])  # type: ignore[index]
+    heads = geometry.n_heads if point.kind in ("q", "z") else geometry.n_kv_heads
+    return heads * (geometry.d_head_v if point.kind in ("v", "z") else geometry.d_head)
+
+
 def _install_hooks(layout: _vllm.ModelLayout, armed_kinds: list[str], sites: Sites) -> None:
+    kinds = captured_kinds(armed_kinds)
     for i, layer in enumerate(layout.layers):
-        for kind in armed_kinds:
+        for kind in kinds:
             layer.add_module(f"capserve_{kind}", sites[(i, kind)])
+        if any(kind in HEAD_KINDS for kind in kinds):
+            _vllm.wrap_attention(layout.attention[i], _qkv_hook(sites, i), _head_hook(sites.get((i, "z"))))
         layer.register_forward_pre_hook(_layer_pre_hook(layout, sites, i), with_kwargs=True)
         layer.register_forward_hook(_layer_post_hook(layout, sites, i))
         layout.attn_out[i].register_forward_hook(_attn_out_hook(layout, sites, i))
@@ -109,6 +125,24 @@ def _install_hooks(layout: _vllm.ModelLayout, armed_kinds: list[str], sites: Sit
 def _run(site: Site, x: torch.Tensor) -> torch.Tensor:
     """The site on [tokens, d] rows, whatever leading dimensions the model gives them."""
     return site(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+def _run_heads(site: Site | None, x: torch.Tensor) -> torch.Tensor:
+    """The site on [tokens, heads x d_head] rows; models hand q, k, v over flat or as [tokens, heads, d_head]."""
+    return x if site is None else site(x.reshape(x.shape[0], -1)).reshape(x.shape)
+
+
+def _qkv_hook(sites: Sites, i: int) -> Callable[..., tuple]:
+    q, k, v = (sites.get((i, kind)) for kind in ("q", "k", "v"))
+
+    def hook(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
+        return _run_heads(q, query), _run_heads(k, key), _run_heads(v, value)
+
+    return hook
+
+
+def _head_hook(site: Site | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda z: _run_heads(site, z)
 
 
 def _first(output: Any) -> torch.Tensor:

@@ -24,6 +24,7 @@ from replicas import _vllm
 from replicas.outbox import Outbox, StepRows
 from replicas.plans import EXPLICIT, CapturePlan, concatenated_ranges, selected_offsets, selected_spans
 from replicas.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
+from replicas.sae import DeviceSae, encode_packed, packed_width, row_bytes
 from replicas.sites import Site
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -40,6 +41,7 @@ class Selection:
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
+    targets: tuple[list[int], int] | None = None  # SAE rows: (request i's SAE spec, k_max of the block)
 
 
 class Collector:
@@ -53,6 +55,7 @@ class Collector:
         device: torch.device,
         outbox: Outbox,
         max_step_bytes: int = MAX_STEP_BYTES,
+        saes: dict[str, DeviceSae] | None = None,
     ):
         self.runner = runner
         self.sites = sites
@@ -67,6 +70,8 @@ class Collector:
         self._group_signatures: list[tuple | None] = []
         self._free_groups: list[int] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.saes = saes or {}
+        self.sae_sites = {sites[sae.site] for sae in self.saes.values()}
         self.rows_captured = 0
 
     @property
@@ -106,6 +111,8 @@ class Collector:
         sites = {site for g in groups.tolist() if g >= 0 for site in self.group_sites[g][0]}
         if (columns["logits"][batch.rows] != NO_LOGITS).any():
             sites.add(self.final_norm)
+        if (columns["sae"][batch.rows] > 0).any():
+            sites.update(self.sae_sites)
         return sites
 
     def collect(self, batch: Batch, requests: RequestTable) -> None:
@@ -113,7 +120,8 @@ class Collector:
         columns = requests.columns
         group = columns["group"][batch.rows]
         logits_mode = columns["logits"][batch.rows]
-        k = np.flatnonzero((group >= 0) | (logits_mode != NO_LOGITS))
+        sae = columns["sae"][batch.rows]
+        k = np.flatnonzero((group >= 0) | (logits_mode != NO_LOGITS) | (sae > 0))
         if not len(k):
             return
         rows = batch.rows[k]
@@ -133,6 +141,9 @@ class Collector:
             selection = self._select(requests, [c[picked] for c in chunks], logits_mode[k][picked], "logits")
             if selection is not None:
                 self._hand_over_logits(selection)
+        picked = sae[k] > 0
+        if picked.any():
+            self._hand_over_sae(requests, [c[picked] for c in chunks])
 
     def _select(self, requests: RequestTable, chunks: list[np.ndarray], modes: np.ndarray, what: str) -> Selection | None:
         """The rows a set of requests selects in this step: position modes for all at once,
@@ -176,10 +187,15 @@ class Collector:
         """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean."""
         sites, dtype, reduce = self.group_sites[group]
         rows = self._to_device(selection.rows)
-        width, itemsize = sites[0].staging.shape[1], sites[0].staging.element_size()
+        # a request's rows are as wide as its widest hook: narrower ones (attention heads) are padded
+        width, itemsize = max(site.staging.shape[1] for site in sites), sites[0].staging.element_size()
+
+        def row_block(site: Site, lo: int, hi: int) -> torch.Tensor:
+            block = site.staging.index_select(0, rows[lo:hi])
+            return block if block.shape[1] == width else torch.nn.functional.pad(block, (0, width - block.shape[1]))
 
         def picked(lo: int, hi: int) -> torch.Tensor:
-            return torch.stack([site.staging.index_select(0, rows[lo:hi]) for site in sites])
+            return torch.stack([row_block(site, lo, hi) for site in sites])
 
         if reduce == "mean":
             # per chunk: the index_selects, their stack and its float32 copy
@@ -249,4 +265,40 @@ class Collector:
 
     def _queue(self, kind: str, host: torch.Tensor, event: Any, selection: Selection) -> None:
         buffers = [entry.buffers for entry in selection.requests]
-        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests))
+        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.targets))
+
+    def _hand_over_sae(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
+        """SAE features of the step's rows: per SAE, one gather, encode and top-k on the device
+        for every request that asked it, and one [1, rows, packed] int32 block to host."""
+        by_sae: dict[str, list[tuple[Entry, int, np.ndarray]]] = {}
+        for handle, first, start, count, prompt_len, fresh in zip(*(c.tolist() for c in chunks)):
+            entry = requests.entry_at[handle]
+            for j, spec in enumerate(entry.plan.sae):
+                offsets = selected_offsets(spec.positions, start, count, prompt_len)
+                offsets = offsets[offsets >= fresh]
+                if len(offsets):
+                    by_sae.setdefault(spec.sae_id, []).append((entry, j, first + offsets))
+        for sae_id, members in by_sae.items():
+            sae = self.saes[sae_id]
+            specs = [entry.plan.sae[j] for entry, j, _ in members]
+            counts = np.array([len(rows) for _, _, rows in members], np.int64)
+            dests = np.array([spec.taken for spec in specs], np.int64)
+            for spec, n in zip(specs, counts.tolist()):
+                spec.taken += n
+            k_max = max(spec.top_k for spec in specs)
+            errors = {spec.error for spec in specs}
+            error = "vector" if "vector" in errors else "norm" if "norm" in errors else "none"
+            selection = Selection(
+                [entry for entry, _, _ in members], np.concatenate([rows for _, _, rows in members]),
+                np.cumsum(counts) - counts, counts, dests, targets=([j for _, j, _ in members], k_max),
+            )
+            staging = self.sites[sae.site].staging
+            d_model = staging.shape[1]
+            step_rows = self._to_device(selection.rows)
+            width = packed_width(k_max, error, d_model)
+
+            def packed(lo: int, hi: int, sae: DeviceSae = sae, rows: torch.Tensor = step_rows) -> torch.Tensor:
+                return encode_packed(sae, staging.index_select(0, rows[lo:hi]), k_max, error).unsqueeze(0)
+
+            self._hand_over_chunked("sae", selection, (1, len(selection.rows), width), torch.int32,
+                                    row_bytes(sae, d_model), packed)

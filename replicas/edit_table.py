@@ -57,7 +57,7 @@ class EditTable:
         """Point the edit at a table row holding its op; requests with the same op (one steering
         vector across an eval) share the row, so most admissions write nothing to the device."""
         site = self.sites[edit.site]
-        row = table_row(edit, site.d_model)
+        row = table_row(edit, site.d_model, site.per_column)
         content = (id(site), edit.stage, row.tobytes())
         shared = self._slot_users.get(content)
         if shared is None:

@@ -24,9 +24,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -40,11 +38,14 @@ from replicas.arena import (
     ArenaBudget, ArenaLayout, ArenaReader, BatchedTake, arena_blocks, arena_geometry, arena_limit_bytes, arena_path,
     delete_files, stored_in, taken_results,
 )
+from replicas.attention import attention_info, finish_capture, head_shapes
+from replicas.edit_slots import EditSlots
 from replicas.engine_config import EngineConfig, checkpoint_facts
 from replicas.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.hooks import served_hook_names
 from replicas.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
 from replicas.plans import PLAN_KEY, build_wire_plan, reduced_on_replica
+from replicas.sae_specs import SaeCatalog, sae_results
 from replicas.tools import ToolCalling, ToolTurn, choice, template_inputs
 
 MIN_SHARED_MEMORY_BYTES = 2 << 30
@@ -60,7 +61,8 @@ class CaptureEngine:
         self.name = name
         # skip_tokenizer_init (benchmarks on dummy weights): prompts must then be token ids
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
-        self._edit_slots = _EditSlots(config.edit_slots)
+        self._edit_slots = EditSlots(config.edit_slots)
+        self.saes = SaeCatalog.read(config.saes)  # replicas.sae_specs: checked by for_checkpoint
         self._taker = BatchedTake(llm, config.take_timeout_s)
         self._arena = ArenaReader()
         self._arena_budget: ArenaBudget | None = None  # sized on first use, once spill_dir is known
@@ -81,9 +83,10 @@ class CaptureEngine:
         from replicas import _vllm
 
         version = _vllm.check_version(config.allow_unverified_vllm)
+        _vllm.skip_foreign_capture_plugins()
         architecture, hf_config, checkpoint_dtype = checkpoint_facts(config)
         shape = block_shape(architecture, hf_config)  # refuses an undeclared architecture before vLLM starts
-        config = config.for_checkpoint(shape, checkpoint_dtype)
+        config = config.for_checkpoint(shape, checkpoint_dtype, hf_config)
         logger.info(
             "engine %s: %s (%s blocks), dtype %s%s, vLLM %s", name, architecture, shape, config.dtype,
             " (the checkpoint's own)" if checkpoint_dtype and config.dtype == checkpoint_dtype else "", version,
@@ -98,6 +101,7 @@ class CaptureEngine:
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape, asdict(owner))))
             engine = cls(llm, config, _model_info(llm, config), name, shape)
+            engine._info.attention = await attention_info(llm)
             outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
             if outside:
                 raise ValueError(f"steer_layers: {outside} outside the model's layers 0..{engine._info.n_layers - 1}")
@@ -163,6 +167,7 @@ class CaptureEngine:
         params = self._sampling_params(request, plan, turn)
         # an edit-only request is taken too: an edit the worker could not install fails it there
         finish = _Finish(plan is not None, request.capture, len(prompt_ids), self._arena_blocks(plan, request.n))
+        finish.widened = plan is not None and "capture" in plan and plan["capture"]["positions"] != request.capture.positions
         finish.tool_turn = turn
         budget = self._budget()
         await budget.acquire(finish.arena_blocks)
@@ -257,7 +262,7 @@ class CaptureEngine:
         if capture is None or self.spill_dir is None:
             return 0
         capacity, block_bytes, limit = self._budget().geometry
-        row_bytes = self._info.d_model * arrays.DTYPES[capture["dtype"]].itemsize
+        row_bytes = capture.get("width", self._info.d_model) * arrays.DTYPES[capture["dtype"]].itemsize
         per_completion = arena_blocks(len(capture["sites"]), capture["max_rows"], row_bytes, capture["reduce"], block_bytes)
         blocks = n * per_completion
         if blocks > capacity:
@@ -301,7 +306,7 @@ class CaptureEngine:
         try:
             return build_wire_plan(
                 key,
-                request,
+                self.saes.resolve_features(request),  # add by SAE feature -> add of its decoder row
                 prompt_len=len(prompt_ids),
                 n_layers=self._info.n_layers,
                 d_model=self._info.d_model,
@@ -313,6 +318,8 @@ class CaptureEngine:
                 absent_kinds=absent_kinds(self.shape),
                 d_vocab=self._info.d_vocab,
                 max_set_edits=self.config.max_set_edits,
+                head_shapes=head_shapes(self._info.attention),
+                saes=self.saes,
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
@@ -368,9 +375,14 @@ class CaptureEngine:
         # matched in the front end after the core ran on): keep the rows of fed tokens only.
         fed = len(sequence) - 1
         kept = bisect.bisect_left(first["positions"], fed)
-        result.positions = first["positions"][:kept]
+        result.sae = sae_results(first.get("sae") or [], fed)
+        activations = {name: finish.rows(self._worker_array(raw), kept) for name, raw in first["activations"].items()}
+        if finish.capture is not None:
+            info = self._info
+            result.activations, result.positions = finish_capture(
+                activations, first["positions"][:kept], finish.capture, len(prompt_ids), info.d_model, info.attention, finish.widened
+            )
         result.capture_token_ids = [sequence[p] for p in result.positions]
-        result.activations = {name: finish.rows(self._worker_array(raw), kept) for name, raw in first["activations"].items()}
         if first["logits"] is not None:
             kept_logits = bisect.bisect_left(first["logits_positions"], fed)
             result.logits = self._worker_array(first["logits"])[:kept_logits]
@@ -383,6 +395,8 @@ class _Finish:
 
     def __init__(self, takes: bool, capture: CaptureSpec | None, prompt_len: int, arena_blocks: int = 0):
         self.takes = takes
+        self.capture = capture
+        self.widened = False  # the worker captured more positions than asked, for a pattern's keys
         self.arena_blocks = arena_blocks  # of the replica's arena budget, held until freed
         self.ran = False  # submitted to vLLM
         self.taking = False  # its take is under way
@@ -398,50 +412,6 @@ class _Finish:
             return array[:kept]
         mean = array[:kept].astype(np.float32).sum(0) / max(kept, 1)
         return mean.astype(arrays.DTYPES[self.mean_dtype])
-
-
-class _EditSlots:
-    """Admits a request with interventions once each of its ops fits the worker's edit table.
-    Requests with the same op at the same hook and stage share one table row (the worker keys rows
-    by content), so the limit counts distinct ops per hook and stage, not requests."""
-
-    def __init__(self, slots: int):
-        self.slots = slots
-        self.users: Counter[tuple] = Counter()  # op -> requests holding it
-        self.per_hook: Counter[tuple] = Counter()  # (layer, kind, stage) -> distinct ops held
-        self.changed = asyncio.Condition()
-
-    @asynccontextmanager
-    async def hold(self, wire_edits: list[dict[str, Any]]) -> AsyncIterator[None]:
-        ops = {_op_key(edit) for edit in wire_edits}
-        async with self.changed:
-            await self.changed.wait_for(lambda: self._fits(ops))
-            for op in ops:
-                self.per_hook[op[:3]] += self.users[op] == 0
-                self.users[op] += 1
-        try:
-            yield
-        finally:
-            async with self.changed:
-                for op in ops:
-                    self.users[op] -= 1
-                    if not self.users[op]:
-                        del self.users[op]
-                        self.per_hook[op[:3]] -= 1
-                self.changed.notify_all()
-
-    def _fits(self, ops: set[tuple]) -> bool:
-        new = Counter(op[:3] for op in ops if op not in self.users)
-        return all(self.per_hook[hook] + n <= self.slots for hook, n in new.items())
-
-
-def _op_key(edit: dict[str, Any]) -> tuple:
-    """What decides an edit's table row (a `set` row is the identity; its values go per row)."""
-    where = (edit["layer"], edit["kind"], edit["stage"])
-    if edit["op"] == "set":
-        return (*where, "set")
-    vector = edit["vector"]["data"] if edit["vector"] is not None else None
-    return (*where, edit["op"], vector, edit["scale"], edit["norm_match"], edit["factor"])
 
 
 def _spill_parent() -> str | None:

@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.architectures import BlockShape, absent_kinds, layer_kinds
-from replicas.hooks import LAYER_KINDS, LayerKind
+from replicas.hooks import LAYER_KINDS, PATTERN_KINDS, LayerKind
+from replicas.sae_specs import SaeConfig, check_saes
 
 LOCKED_SETTINGS: dict[str, Any] = {
     "tensor_parallel_size": 1,  # one replica = one GPU; the worker bookkeeping assumes one rank
@@ -49,8 +50,9 @@ class EngineConfig(BaseModel):
     seed: int = 0
     armed_kinds: list[LayerKind] | None = Field(
         None,
-        description="Hook kinds capturable on every layer (default: every kind the architecture's blocks have); "
-        "each costs one row copy per step inside the graph.",
+        description="Hook kinds capturable on every layer (default: every residual-stream kind the architecture's "
+        "blocks have); each costs one row copy per step inside the graph. The attention kinds q, k, v, z (per head) "
+        "and pattern, attn_scores (computed on the replica from q and k) are armed only when listed here.",
     )
     steer_kinds: list[LayerKind] | None = Field(
         None,
@@ -125,6 +127,12 @@ class EngineConfig(BaseModel):
         "(xgrammar's max_whitespace_cnt). None: any, as vLLM. A random-weight model needs a bound (1) to end a "
         "forced call; a trained one stops by itself.",
     )
+    saes: dict[str, SaeConfig] = Field(
+        default_factory=dict,
+        description="SAEs loaded onto the device, by sae_id: SAELens folders whose features requests ask for "
+        "(`sae`) or steer by (`add` with sae_id + feature); see docs/sae.md. Checked at start: d_in = d_model, "
+        "the hook served.",
+    )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -141,9 +149,10 @@ class EngineConfig(BaseModel):
             )
         return self
 
-    def for_checkpoint(self, shape: BlockShape, checkpoint_dtype: str | None) -> "EngineConfig":
+    def for_checkpoint(self, shape: BlockShape, checkpoint_dtype: str | None, text_config: Any = None) -> "EngineConfig":
         """This config with what the checkpoint decides filled in: the kinds its blocks have
-        (a kind they lack, asked for by name, is an error) and, for dtype auto, its own dtype."""
+        (a kind they lack, asked for by name, is an error) and, for dtype auto, its own dtype.
+        With the checkpoint's text config, its SAEs are checked against the model."""
         kinds, absent = layer_kinds(shape), absent_kinds(shape)
         for name in ("armed_kinds", "steer_kinds"):
             lacking = [k for k in getattr(self, name) or () if k in absent]
@@ -152,6 +161,9 @@ class EngineConfig(BaseModel):
         update: dict[str, Any] = {"armed_kinds": list(self.armed_kinds or kinds)}
         if self.dtype == "auto" and checkpoint_dtype is not None:
             update["dtype"] = checkpoint_dtype
+        if self.saes and text_config is not None:
+            check_saes(self.saes, d_model=int(text_config.hidden_size), n_layers=int(text_config.num_hidden_layers),
+                       armed_kinds=update["armed_kinds"], absent=absent)
         return self.model_copy(update=update)
 
     def engine_args(
@@ -192,6 +204,7 @@ class EngineConfig(BaseModel):
                 "edit_stages": self.edit_stages,
                 "edit_slots": self.edit_slots,
                 "max_set_edits": self.max_set_edits,
+                "saes": {sae_id: sae.model_dump() for sae_id, sae in self.saes.items()},
                 "arena_max_bytes": self.arena_max_bytes,
                 "max_step_temp_bytes": self.max_step_temp_bytes,
                 "outbox_timeout_s": self.outbox_timeout_s,
@@ -205,7 +218,13 @@ class EngineConfig(BaseModel):
     def steerable_kinds(self) -> list[str]:
         armed = self.armed_kinds or LAYER_KINDS
         if self.steer_kinds is None:
-            return list(armed)
+            return [kind for kind in armed if kind not in PATTERN_KINDS]
+        computed = [kind for kind in self.steer_kinds if kind in PATTERN_KINDS]
+        if computed:
+            raise ValueError(
+                f"steer_kinds: {computed[0]!r} is computed from q and k on the replica and cannot be edited; "
+                f"edit q or k instead"
+            )
         unarmed = set(self.steer_kinds) - set(armed)
         if unarmed:
             raise ValueError(f"steer_kinds {sorted(unarmed)} are not in armed_kinds {list(armed)}")

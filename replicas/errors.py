@@ -7,6 +7,10 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as asked (a 4xx). Only that request fails; retrying is useless."""
 
 
+class PlanError(InvalidRequestError):
+    """A request that cannot be served as asked; the message names the field."""
+
+
 class CaptureFailedError(RuntimeError):
     """The worker could not record what a request asked for; the request fails, the engine goes on."""
 

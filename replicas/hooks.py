@@ -11,9 +11,20 @@ from __future__ import annotations
 import re
 from typing import Iterable, Literal, NamedTuple, get_args
 
-LayerKind = Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
-HookKind = Literal["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "ln_final"]
-LAYER_KINDS: tuple[LayerKind, ...] = get_args(LayerKind)
+LayerKind = Literal[
+    "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores"
+]
+HookKind = Literal[
+    "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores", "ln_final"
+]
+ALL_LAYER_KINDS: tuple[LayerKind, ...] = get_args(LayerKind)
+# The residual-stream kinds, armed by default; the attention kinds are armed by config.
+LAYER_KINDS: tuple[LayerKind, ...] = ALL_LAYER_KINDS[:5]
+# Per-head sites inside attention: [pos, heads, d_head], taken where vLLM's attention op reads
+# q, k, v (after any q/k norm and rotary) and where it writes z (before the output projection).
+HEAD_KINDS: tuple[LayerKind, ...] = ("q", "k", "v", "z")
+# Computed on the replica from the layer's captured q and k: [q_pos, heads, k_pos].
+PATTERN_KINDS: tuple[LayerKind, ...] = ("pattern", "attn_scores")
 FINAL_NORM_HOOK = "ln_final.hook_normalized"
 
 _CANONICAL_SUFFIX = {
@@ -23,7 +34,16 @@ _CANONICAL_SUFFIX = {
     "hook_attn_out": "attn_out",
     "hook_mlp_out": "mlp_out",
 }
+_ATTENTION_SUFFIX = {f"attn.hook_{kind}": kind for kind in (*HEAD_KINDS, *PATTERN_KINDS)} | {
+    # served after rotary: TransformerLens's rotated names are the same values
+    "attn.hook_rot_q": "q",
+    "attn.hook_rot_k": "k",
+}
 _BRIDGE_SUFFIX = {
+    "attn.q.hook_out": "q",
+    "attn.k.hook_out": "k",
+    "attn.v.hook_out": "v",
+    "attn.o.hook_in": "z",
     "hook_in": "resid_pre",
     "ln2.hook_in": "resid_mid",
     "hook_out": "resid_post",
@@ -44,6 +64,8 @@ class HookPoint(NamedTuple):
     def canonical_name(self) -> str:
         if self.kind == "ln_final":
             return FINAL_NORM_HOOK
+        if self.kind in HEAD_KINDS or self.kind in PATTERN_KINDS:
+            return f"blocks.{self.layer}.attn.hook_{self.kind}"
         return f"blocks.{self.layer}.hook_{self.kind}"
 
     @property
@@ -64,9 +86,10 @@ def resolve_hook(name: str, n_layers: int | None = None) -> HookPoint:
     if point is None:
         raise HookNameError(
             f"hook {name!r} is not a known hook name; use blocks.<i>.hook_<kind> with kind in "
-            f"{', '.join(LAYER_KINDS)} (TransformerLens names), the TransformerBridge aliases "
-            f"blocks.<i>.hook_in / ln2.hook_in / hook_out / attn.hook_out / mlp.hook_out, "
-            f"'<i>:<kind>' wire keys, or {FINAL_NORM_HOOK!r}"
+            f"{', '.join(LAYER_KINDS)} or blocks.<i>.attn.hook_<kind> with kind in "
+            f"{', '.join(HEAD_KINDS + PATTERN_KINDS)} (TransformerLens names), the TransformerBridge aliases "
+            f"blocks.<i>.hook_in / ln2.hook_in / hook_out / attn.hook_out / mlp.hook_out / attn.q.hook_out / "
+            f"attn.k.hook_out / attn.v.hook_out / attn.o.hook_in, '<i>:<kind>' wire keys, or {FINAL_NORM_HOOK!r}"
         )
     if n_layers is not None and point.layer is not None and not 0 <= point.layer < n_layers:
         raise HookNameError(
@@ -82,11 +105,11 @@ def _parse(name: str) -> HookPoint | None:
     wire = _WIRE_KEY.match(name)
     if wire:
         kind = wire.group(2)
-        return HookPoint(int(wire.group(1)), kind) if kind in LAYER_KINDS else None  # type: ignore[arg-type]
+        return HookPoint(int(wire.group(1)), kind) if kind in ALL_LAYER_KINDS else None  # type: ignore[arg-type]
     block = _BLOCK_NAME.match(name)
     if block:
         suffix = block.group(2)
-        kind = _CANONICAL_SUFFIX.get(suffix) or _BRIDGE_SUFFIX.get(suffix)
+        kind = _CANONICAL_SUFFIX.get(suffix) or _ATTENTION_SUFFIX.get(suffix) or _BRIDGE_SUFFIX.get(suffix)
         return HookPoint(int(block.group(1)), kind) if kind else None  # type: ignore[arg-type]
     return None
 
@@ -94,5 +117,13 @@ def _parse(name: str) -> HookPoint | None:
 def served_hook_names(n_layers: int, kinds: Iterable[str] = LAYER_KINDS) -> list[str]:
     """Canonical names of every hook point served on `n_layers` layers with these kinds armed."""
     armed = set(kinds)
-    names = [HookPoint(i, k).canonical_name for i in range(n_layers) for k in LAYER_KINDS if k in armed]
+    names = [HookPoint(i, k).canonical_name for i in range(n_layers) for k in ALL_LAYER_KINDS if k in armed]
     return names + [FINAL_NORM_HOOK]
+
+
+def captured_kinds(armed: Iterable[str]) -> list[str]:
+    """The kinds that get a site: a pattern is computed from its layer's q and k."""
+    kinds = list(dict.fromkeys(armed))
+    if any(kind in PATTERN_KINDS for kind in kinds):
+        kinds += [kind for kind in ("q", "k") if kind not in kinds]
+    return [kind for kind in kinds if kind not in PATTERN_KINDS]

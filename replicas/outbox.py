@@ -43,6 +43,7 @@ from replicas.arena import (
 )
 from replicas.errors import OUTBOX_DEAD, OUTBOX_STUCK
 from replicas.plans import RequestPlan, captured_positions, concatenated_ranges
+from replicas.sae_specs import SaeRows
 
 SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory file
 # While the outbox thread files rows, the step loop must get the GIL back soon after its forward
@@ -62,6 +63,7 @@ class RequestBuffers:
     plan: RequestPlan
     sites: np.ndarray | None = None  # [hooks, max_rows, d] (float32 sums [hooks, 1, d] for reduce=mean); None in the arena
     logits: np.ndarray | None = None  # [max_rows, vocab] float32
+    sae: list[SaeRows] = field(default_factory=list)  # one per SAE spec of the plan
     row_shape: tuple[int, str] = (0, "float32")  # (d, dtype) of a captured row
     rows_per_block: int = 0  # > 0: rows live in the arena, this many per block
     table_slot: int = -1  # its row of the arena's block table, once it has one
@@ -80,9 +82,11 @@ class RequestBuffers:
     @classmethod
     def for_plan(cls, plan: RequestPlan, d_model: int, vocab: int, arena: ArenaLayout | None) -> RequestBuffers:
         buffers = cls(plan)
+        buffers.sae = [SaeRows.for_plan(spec, d_model) for spec in plan.sae]
         capture = plan.capture
         if capture is not None:
             dtype = arrays.DTYPES[capture.dtype]
+            d_model = capture.width or d_model  # rows as wide as the request's widest hook
             buffers.row_shape = (d_model, capture.dtype)
             row_bytes = d_model * dtype.itemsize
             in_arena = arena is not None and arena_blocks(
@@ -182,6 +186,7 @@ class RequestBuffers:
             "activations": activations,
             "logits": encode("logits", self.logits[: self.n_logits]) if self.n_logits else None,
             "logits_positions": captured_positions(plan.logits_positions, plan.prompt_len, self.n_logits) if self.n_logits else [],
+            "sae": [rows.result(plan.prompt_len) for rows in self.sae],
             "error": None,
         }
 
@@ -198,6 +203,7 @@ class StepRows:
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
+    targets: tuple[list[int], int] | None = None  # kind "sae": (request i's SAE spec, k_max of the block)
 
     def file(self, arena: HostArena | None, table: BlockTable) -> None:
         """Copy each request's rows into its buffer (the copy to host must be done): those of the
@@ -212,6 +218,8 @@ class StepRows:
             try:
                 if self.kind == "logits":
                     buffers.add_logits(data, lo, n, dest)
+                elif self.kind == "sae":
+                    buffers.sae[self.targets[0][member]].add(data[0], self.targets[1], lo, n, dest)
                 else:
                     buffers.add_rows(data, member, lo, n, dest)
             except Exception as exc:  # a bookkeeping bug must fail this request, not the worker

@@ -16,15 +16,12 @@ import numpy as np
 
 from replicas import arrays
 from replicas.api import CaptureSpec, GenerateRequest, Positions
-from replicas.errors import InvalidRequestError
-from replicas.hooks import HookPoint, resolve_hook
+from replicas.errors import PlanError
+from replicas.head_plans import HeadShapes, captured_sites, head_edit, hook_width, key_positions
+from replicas.hooks import HEAD_KINDS, PATTERN_KINDS, HookPoint, resolve_hook
 
 PLAN_KEY = "capserve"
 WirePlan = dict[str, Any]
-
-
-class PlanError(InvalidRequestError):
-    """A request that cannot be served as asked; the message names the field."""
 
 
 # ---------------------------------------------------------------- positions
@@ -168,11 +165,14 @@ def build_wire_plan(
     absent_kinds: Mapping[str, str] | None = None,
     d_vocab: int | None = None,
     max_set_edits: int | None = None,
+    head_shapes: HeadShapes | None = None,
+    saes: Any = None,
 ) -> WirePlan | None:
     """Validate everything that depends on the model and the prompt; None when nothing is asked.
-    `d_vocab` is needed for requests that ask for logits; `max_set_edits` None: no limit."""
+    `d_vocab` is needed for requests that ask for logits; `max_set_edits` None: no limit;
+    `head_shapes` for the attention hooks; `saes` (a `replicas.sae_specs.SaeCatalog`) for SAE features."""
     capture, logits = request.capture, request.logits
-    if capture is None and logits is None and not request.interventions:
+    if capture is None and logits is None and not request.interventions and not request.sae:
         return None
     plan: WirePlan = {"key": key, "prompt_len": prompt_len}
     absent = absent_kinds or {}
@@ -182,23 +182,29 @@ def build_wire_plan(
             _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent) for i, name in enumerate(capture.hooks)
         ]
         check_positions("capture.positions", capture.positions, prompt_len, request.max_tokens)
+        sites = captured_sites(points, capture.hooks)
+        positions = capture.positions
+        if any(p.kind in PATTERN_KINDS for p in points):
+            positions = key_positions(capture, prompt_len)
+        width = max(hook_width(kind, d_model, head_shapes) for _, kind, _ in sites)
         # the worker keeps every row, in float32, when the replica takes the mean
         replica_mean = reduced_on_replica(capture, prompt_len)
         worker_reduces = capture.reduce == "mean" and not replica_mean
         wire_dtype = "float32" if replica_mean else capture.dtype
-        rows = 1 if worker_reduces else count_positions(capture.positions, prompt_len, request.max_tokens)
+        rows = 1 if worker_reduces else count_positions(positions, prompt_len, request.max_tokens)
         itemsize = 4 if wire_dtype == "float32" else 2
-        size = rows * d_model * itemsize * len(points)
+        size = rows * width * itemsize * len(sites)
         parts.append((
-            "capture", f"{len(points)} hooks x {rows} positions x {d_model} x {itemsize} bytes", size,
+            "capture", f"{len(sites)} hooks x {rows} positions x {width} x {itemsize} bytes", size,
             "capture fewer hooks or positions, use reduce='mean' or dtype='bfloat16'",
         ))
         plan["capture"] = {
-            "sites": [[p.layer, p.kind, name] for p, name in zip(points, capture.hooks)],
-            "max_rows": count_positions(capture.positions, prompt_len, request.max_tokens),
-            "positions": capture.positions,
+            "sites": sites,
+            "max_rows": count_positions(positions, prompt_len, request.max_tokens),
+            "positions": positions,
             "reduce": "mean" if worker_reduces else "none",
             "dtype": wire_dtype,
+            "width": width,
         }
     if logits is not None:
         check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
@@ -209,8 +215,12 @@ def build_wire_plan(
             "logits", f"{logits_rows} positions x {d_vocab} x 4 bytes", logits_rows * d_vocab * 4, "ask for fewer logits positions",
         ))
         plan["logits"] = {"positions": logits.positions, "max_rows": logits_rows}
+    if request.sae:
+        if saes is None or not saes.facts:
+            raise PlanError("sae: this replica loaded no SAEs (engine option saes)")
+        plan["sae"] = saes.wire(request, prompt_len, d_model, parts)
     check_bytes(parts, request.n, max_capture_bytes)
-    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent)
+    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent, head_shapes)
     if max_set_edits is not None:
         _check_set_edits(request, max_set_edits)
     return plan
@@ -273,6 +283,7 @@ def _wire_edits(
     steer_layers: set[int] | None,
     edit_stages: int,
     absent: Mapping[str, str],
+    head_shapes: HeadShapes | None = None,
 ) -> list[dict[str, Any]]:
     edits: list[dict[str, Any]] = []
     stages: dict[HookPoint, int] = {}
@@ -285,20 +296,24 @@ def _wire_edits(
                 f"deployment; steerable layers: {sorted(steer_layers)} (engine option steer_layers)"
             )
         check_positions(f"{where}.positions", edit.positions, prompt_len, request.max_tokens)
-        for name in ("vector", "values"):
-            array = getattr(edit, name)
-            if array is not None and array.shape[-1] != d_model:
-                raise PlanError(f"{where}.{name}: width {array.shape[-1]} does not match d_model={d_model}")
-        if edit.values is not None and edit.values.ndim == 2 and edit.values.shape[0] != 1:
+        if point.kind in HEAD_KINDS:
+            vector, values, columns, factor = head_edit(where, edit, point.kind, head_shapes)
+        else:
+            vector, values, columns, factor = edit.vector, edit.values, None, edit.factor
+            for name in ("vector", "values"):
+                array = getattr(edit, name)
+                if array is not None and array.shape[-1] != d_model:
+                    raise PlanError(f"{where}.{name}: width {array.shape[-1]} does not match d_model={d_model}")
+        if values is not None and values.ndim == 2 and values.shape[0] != 1:
             needed = count_positions(edit.positions, prompt_len, request.max_tokens)
             if edit.positions in ("all", "generated"):
                 raise PlanError(
                     f"{where}.values: positions={edit.positions!r} covers generated tokens, so values "
-                    f"must be one row [d_model] broadcast to every position (got {edit.values.shape[0]} rows)"
+                    f"must be one row [d_model] broadcast to every position (got {values.shape[0]} rows)"
                 )
-            if edit.values.shape[0] != needed:
+            if values.shape[0] != needed:
                 raise PlanError(
-                    f"{where}.values: {edit.values.shape[0]} rows but positions={edit.positions!r} "
+                    f"{where}.values: {values.shape[0]} rows but positions={edit.positions!r} "
                     f"selects {needed}; give one row per position or a single row to broadcast"
                 )
         stage = stages.get(point, 0)
@@ -314,11 +329,12 @@ def _wire_edits(
                 "kind": point.kind,
                 "stage": stage,
                 "op": edit.op,
-                "vector": None if edit.vector is None else arrays.to_raw(edit.vector),
-                "values": None if edit.values is None else arrays.to_raw(np.atleast_2d(edit.values)),
+                "vector": None if vector is None else arrays.to_raw(vector),
+                "values": None if values is None else arrays.to_raw(np.atleast_2d(values)),
+                "columns": None if columns is None else arrays.to_raw(columns),
                 "scale": edit.scale,
                 "norm_match": edit.norm_match,
-                "factor": edit.factor,
+                "factor": factor,
                 "positions": edit.positions,
                 "phase": edit.phase,
             }
@@ -341,6 +357,7 @@ class EditPlan:
     scale: float = 1.0
     norm_match: bool = False
     factor: float = 1.0
+    columns: np.ndarray | None = None  # per-head sites: a factor per column (the head selector)
     slot: int = 0  # assigned by the worker
 
     @property
@@ -363,6 +380,24 @@ class CapturePlan:
     reduce: str
     dtype: str
     max_rows: int  # positions it can select: the size of its host buffer
+    width: int = 0  # values per row: its widest hook's (narrower hooks are zero-padded); 0: d_model
+
+
+@dataclass
+class SaePlan:
+    """One SAE spec of a request (replicas.sae_specs); `taken` counts the rows handed over so far."""
+
+    sae_id: str
+    hook: str
+    top_k: int
+    positions: Positions
+    error: str  # none | norm | vector
+    max_rows: int
+    taken: int = 0
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> "SaePlan":
+        return cls(wire["sae_id"], wire["hook"], int(wire["top_k"]), wire["positions"], wire["error"], int(wire["max_rows"]))
 
 
 @dataclass
@@ -373,6 +408,7 @@ class RequestPlan:
     logits_positions: Positions | None
     logits_rows: int = 0
     edits: list[EditPlan] = field(default_factory=list)
+    sae: list[SaePlan] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, wire: WirePlan) -> "RequestPlan":
@@ -387,10 +423,12 @@ class RequestPlan:
                 reduce=capture["reduce"],
                 dtype=capture["dtype"],
                 max_rows=int(capture["max_rows"]),
+                width=int(capture.get("width", 0)),
             ),
             logits_positions=None if logits is None else logits["positions"],
             logits_rows=0 if logits is None else int(logits["max_rows"]),
             edits=[_edit_from_wire(e) for e in wire.get("edits", [])],
+            sae=[SaePlan.from_wire(s) for s in wire.get("sae", [])],
         )
 
 
@@ -409,5 +447,6 @@ def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
         scale=float(wire["scale"]),
         norm_match=bool(wire["norm_match"]),
         factor=1.0 if wire["factor"] is None else float(wire["factor"]),
+        columns=None if wire.get("columns") is None else arrays.from_raw(wire["columns"]).astype(np.float32),
     )
 

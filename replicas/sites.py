@@ -16,6 +16,11 @@ the stage computes in float32 and rounds once to the model dtype)
 Inside a compiled graph the stage fuses to a gather, one reduction and pointwise work.
 Rows whose slot is 0 come out bit-identical.
 
+A per-head site (q, k, v, z: `per_column`) has one more d-wide vector per slot, `columns`,
+multiplied in with `factor` (1 for the identity): a head selector scales, or zeroes before a `set`,
+only its heads' columns. Its `set` is then `values + h`, where `values` is zero outside the set
+heads and `h` zero inside them, so one row can patch some heads and keep the others.
+
 The `set` values live in one buffer that every site shares ([max_set_edits x max_tokens, d]):
 a row of the step belongs to one request, which carries at most `max_set_edits` set edits, so
 its j-th set edit reads row `row * max_set_edits + j` whatever the site — no two sites' values
@@ -32,7 +37,7 @@ from replicas.arrays import unit
 from replicas.hooks import HookPoint
 from replicas.plans import EditPlan
 
-# Columns of an edit-table row after the two d_model-wide vectors (proj, add).
+# Columns of an edit-table row after its d-wide vectors (proj, add, and columns on per-head sites).
 FACTOR_COLUMN, ADD_COEF_COLUMN, NORM_COEF_COLUMN = 0, 1, 2
 
 
@@ -60,9 +65,12 @@ class Site(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         values: torch.Tensor | None = None,
+        per_column: bool = False,
     ):
         super().__init__()
         self.point = point
+        self.per_column = per_column
+        self.vectors = 3 if per_column else 2  # d-wide vectors at the start of a table row
         self.edit_stages = edit_stages
         self.capture = capture
         # In eager mode the worker switches off the parts no request in the step uses; compiled
@@ -75,15 +83,18 @@ class Site(nn.Module):
 
             # One row per slot: [proj (d) | add (d) | factor | add_coef | norm_coef], so a stage
             # reads its row with a single gather; slot 0 (factor 1, the rest 0) is the identity.
-            table = buffer(edit_stages, edit_slots, 2 * d_model + 3)
-            table[:, :, 2 * d_model + FACTOR_COLUMN] = 1.0
+            table = buffer(edit_stages, edit_slots, self.vectors * d_model + 3)
+            table[:, :, self.vectors * d_model + FACTOR_COLUMN] = 1.0
+            if per_column:
+                table[:, :, 2 * d_model : 3 * d_model] = 1.0
             self.register_buffer("table", table, persistent=False)
             self.register_buffer("slot", buffer(edit_stages, max_tokens, kind=torch.long), persistent=False)
             self.register_buffer("set_stage", buffer(max_tokens, fill=-1, kind=torch.long), persistent=False)
             self.register_buffer("set_row", buffer(max_tokens, kind=torch.long), persistent=False)
             if values is None:
                 raise ValueError("a site that takes edits needs the shared `set` values buffer (replicas.blocks)")
-            self.register_buffer("values", values, persistent=False)  # shared by every site: see the docstring
+            # shared by every site (see the docstring); a narrower per-head site reads its first columns
+            self.register_buffer("values", values[:, :d_model], persistent=False)
         if capture:
             self.register_buffer("staging", torch.zeros(max_tokens, d_model, dtype=dtype, device=device), persistent=False)
         self.d_model = d_model
@@ -99,12 +110,14 @@ class Site(nn.Module):
     def _edit_stage(self, h: torch.Tensor, stage: int, n: int) -> torch.Tensor:
         """One stage in float32: in fp16 the sum of squares of a row with |h| > 256 overflows, and
         an inf norm times a zero coefficient would turn rows nobody edits into NaN."""
-        d = self.d_model
+        d, scalars = self.d_model, self.vectors * self.d_model
         row = self.table[stage][self.slot[stage, :n]].float()
         direction, add = row[:, :d], row[:, d : 2 * d]
-        factor = row[:, 2 * d + FACTOR_COLUMN].unsqueeze(-1)
-        add_coef = row[:, 2 * d + ADD_COEF_COLUMN].unsqueeze(-1)
-        norm_coef = row[:, 2 * d + NORM_COEF_COLUMN].unsqueeze(-1)
+        factor = row[:, scalars + FACTOR_COLUMN].unsqueeze(-1)
+        if self.per_column:
+            factor = factor * row[:, 2 * d : 3 * d]
+        add_coef = row[:, scalars + ADD_COEF_COLUMN].unsqueeze(-1)
+        norm_coef = row[:, scalars + NORM_COEF_COLUMN].unsqueeze(-1)
         x = h.float()
         # One reduction pass: a table row holds one op, so when the add is norm-matched the row's
         # direction is 0 and its factor 1, and the norm it needs is the input's.
@@ -114,26 +127,36 @@ class Site(nn.Module):
         # the norm enters only rows whose op asked for it
         x = x + add * (add_coef + torch.where(norm_coef != 0, norm_coef * norm, 0.0))
         values = self.values.index_select(0, self.set_row[:n])
+        if self.per_column:  # the row's `columns` zeroed the heads it sets
+            values = (values.float() + x).to(h.dtype)
         return torch.where((self.set_stage[:n] == stage).unsqueeze(-1), values, x.to(h.dtype))
 
 
-def identity_row(d_model: int) -> np.ndarray:
-    row = np.zeros(2 * d_model + 3, dtype=np.float32)
-    row[2 * d_model + FACTOR_COLUMN] = 1.0
+def identity_row(d_model: int, per_column: bool = False) -> np.ndarray:
+    vectors = 3 if per_column else 2
+    row = np.zeros(vectors * d_model + 3, dtype=np.float32)
+    row[vectors * d_model + FACTOR_COLUMN] = 1.0
+    if per_column:
+        row[2 * d_model : 3 * d_model] = 1.0
     return row
 
 
-def table_row(edit: EditPlan, d_model: int) -> np.ndarray:
+def table_row(edit: EditPlan, d_model: int, per_column: bool = False) -> np.ndarray:
     """The edit-table row (see replicas.sites) that applies one intervention."""
-    row = identity_row(d_model)
+    row = identity_row(d_model, per_column)
+    if edit.columns is not None:
+        if not per_column:
+            raise ValueError(f"a head selector needs a per-head site; {edit.site} is not one")
+        row[2 * d_model : 3 * d_model] = edit.columns
+    scalars = (3 if per_column else 2) * d_model
     if edit.op == "project_out":
         row[:d_model] = edit.direction
     elif edit.op == "scale":
-        row[2 * d_model + FACTOR_COLUMN] = edit.factor
+        row[scalars + FACTOR_COLUMN] = edit.factor
     elif edit.op == "add" and edit.norm_match:
         row[d_model : 2 * d_model] = unit(edit.direction)
-        row[2 * d_model + NORM_COEF_COLUMN] = edit.scale
+        row[scalars + NORM_COEF_COLUMN] = edit.scale
     elif edit.op == "add":
         row[d_model : 2 * d_model] = edit.direction * edit.scale
-        row[2 * d_model + ADD_COEF_COLUMN] = 1.0
+        row[scalars + ADD_COEF_COLUMN] = 1.0
     return row  # set: identity row; its values are written per step

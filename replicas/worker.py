@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from replicas.outbox import TIMEOUT_S as OUTBOX_TIMEOUT_S
 from replicas.outbox import DEAD, Outbox, RequestBuffers
 from replicas.plans import PLAN_KEY
 from replicas.request_table import NEW, UNPLANNED, Batch, Entry, RequestTable
+from replicas.sae import load_saes
 
 
 class _CaptureState:
@@ -62,6 +64,7 @@ class _CaptureState:
         self.collector = Collector(
             runner, self.sites, self.layout.vocab_size, self.device, self.outbox,
             max_step_bytes=int(options.get("max_step_temp_bytes", MAX_STEP_BYTES)),
+            saes=load_saes(options.get("saes"), self.device),  # SAE weights on the device (replicas.sae)
         )
         # results of the latest take RPC, kept until the next one says whether the replica got them
         self.delivered: dict[int, dict[str, list[dict[str, Any]]]] = {}
@@ -111,7 +114,7 @@ class _CaptureState:
         plan = self.table.plan(req_id, _vllm.request_extra_args(self.runner, req_id).get(PLAN_KEY))
         if plan is None:
             return UNPLANNED
-        returns_data = plan.capture is not None or plan.logits_positions is not None
+        returns_data = plan.capture is not None or plan.logits_positions is not None or bool(plan.sae)
         buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size, self.outbox.arena_layout) if returns_data else None
         group = -1 if plan.capture is None else self.collector.group(plan.capture)
         entry = self.table.admit(req_id, plan, buffers, group)
@@ -184,6 +187,9 @@ class _CaptureState:
                 self.outbox.discard(sibling)
             return results[:1]
 
+    def attention(self) -> list[dict[str, Any]]:
+        return [asdict(_vllm.attention_geometry(op)) for op in self.layout.attention]
+
     def stats(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
@@ -229,6 +235,10 @@ class _CaptureWorkerMixin:
 
     def capserve_stats(self) -> dict[str, Any]:
         return self.capserve_state.stats()
+
+    def capserve_attention(self) -> list[dict[str, Any]]:
+        """Each layer's attention geometry (`_vllm.AttentionGeometry`), for patterns on the replica."""
+        return self.capserve_state.attention()
 
 
 def __getattr__(name: str) -> type:

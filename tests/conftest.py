@@ -103,6 +103,17 @@ def engine_config(path: str, **overrides: Any) -> Any:
     return EngineConfig(model=path, **(settings | overrides))
 
 
+def armed_with_attention(path: str) -> list[str]:
+    """Every kind the model's blocks have, and the attention kinds (armed only when asked)."""
+    import json
+
+    from replicas.architectures import block_shape, layer_kinds
+    from replicas.hooks import HEAD_KINDS, PATTERN_KINDS
+
+    architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    return [*layer_kinds(block_shape(architecture)), *HEAD_KINDS, *PATTERN_KINDS]
+
+
 async def start_engine(path: str, name: str, quick_compile: bool = False, **overrides: Any) -> Any:
     """quick_compile: on the GPU host, CUDA graphs over Dynamo's graph without Inductor, whose
     build makes a tiny engine take minutes to start; the CPU engines run eagerly anyway."""
@@ -120,7 +131,10 @@ def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str,
 
     async def start_all() -> list[Any]:
         dtypes = {arch: "auto" if arch == "gpt2" else "float32" for arch in ARCHS}
-        return await asyncio.gather(*(start_engine(tiny_models[a], name=f"engine-{a}", dtype=dtypes[a]) for a in ARCHS))
+        return await asyncio.gather(*(
+            start_engine(tiny_models[a], name=f"engine-{a}", dtype=dtypes[a], armed_kinds=armed_with_attention(tiny_models[a]))
+            for a in ARCHS
+        ))
 
     started = dict(zip(ARCHS, loop.run(start_all())))
     yield started

@@ -5,7 +5,9 @@ of conftest's `engines` are reused). On the GPU host too they start one at a tim
 starting together there did not come up within a 10-minute call (2026-11-30). Per architecture: every kind its blocks have at every layer
 on prompt and generated rows; every intervention op at every kind, all in one batch beside a
 request that edits nothing; edits of the residual stream reaching the next layer bit for bit.
-Which architectures run where is README.md's support table.
+Which architectures run where is README.md's support table. The engines arm the attention hooks
+too: q, k, v, z and patterns equal HF's eager attention, and per-head edits reproduce HF with the
+same edit of z (tests/hf_attention.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from replicas.architectures import layer_kinds
-from replicas.hooks import FINAL_NORM_HOOK
+from replicas.hooks import FINAL_NORM_HOOK, HEAD_KINDS, PATTERN_KINDS
 from replicas.tiny import ARCHS as ALL_ARCHS
 from replicas.tiny import make_tiny_model
-from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, assert_close, start_engine
+from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, armed_with_attention, assert_close, start_engine
+from tests.hf_attention import hf_attention
 from tests.hf_reference import hf_activations, hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
 from tests.test_engine_interventions import direction, hf_edits
@@ -38,7 +42,7 @@ def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root) -> tuple
         yield name, engine, tiny_models[name], layer_kinds(engine.shape)
         return
     path = make_tiny_model(name, model_root / name, seed=1)
-    engine = loop.run(start_engine(path, name=f"engine-{name}", quick_compile=True))
+    engine = loop.run(start_engine(path, name=f"engine-{name}", quick_compile=True, armed_kinds=armed_with_attention(path)))
     try:
         yield name, engine, path, layer_kinds(engine.shape)
     finally:
@@ -48,7 +52,7 @@ def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root) -> tuple
 def test_every_hook_and_the_logits_match_hf_on_prompt_and_generated_rows(loop, arch):
     name, engine, path, kinds = arch
     info = loop.run(engine.info())
-    assert set(info.armed_kinds) == set(kinds)
+    assert set(info.armed_kinds) == set(kinds) | set(HEAD_KINDS) | set(PATTERN_KINDS)
     hooks = [f"blocks.{i}.hook_{kind}" for i in range(info.n_layers) for kind in kinds] + [FINAL_NORM_HOOK]
     prompt = prompt_ids(PROMPT_LEN, seed=3)
     result = loop.run(engine.generate({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -119,3 +123,100 @@ def test_residual_edits_reach_the_next_layer_bit_for_bit(loop, arch):
     reference_edits = hf_edits(edits, len(prompt))
     assert result.token_ids == hf_greedy(path, prompt, 3, edits=reference_edits), name
     assert_close(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference_edits), atol=LOGIT_TOL, rtol=0)
+
+
+def test_attention_hooks_match_hf_on_prompt_and_generated_rows(loop, arch):
+    name, engine, path, _ = arch
+    info = loop.run(engine.info())
+    kinds = (*HEAD_KINDS, *PATTERN_KINDS)
+    hooks = [f"blocks.{i}.attn.hook_{kind}" for i in range(info.n_layers) for kind in kinds] + ["blocks.1.hook_resid_post"]
+    prompt = prompt_ids(PROMPT_LEN, seed=5)
+    result = loop.run(engine.generate({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                                       "capture": {"hooks": hooks}}))
+    fed = prompt + result.token_ids[:-1]
+    reference = hf_attention(path, fed)
+    for i in range(info.n_layers):
+        for kind in HEAD_KINDS:
+            got = result.activations[f"blocks.{i}.attn.hook_{kind}"]
+            assert_close(got, reference[(i, kind)], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL, err_msg=f"{name} layer {i} {kind}")
+        pattern = result.activations[f"blocks.{i}.attn.hook_pattern"]
+        assert_close(pattern, reference[(i, "pattern")], atol=ACTIVATION_TOL, rtol=0, err_msg=f"{name} layer {i} pattern")
+        # scores: masked exactly where HF's weights are 0, and their softmax is HF's pattern
+        scores = result.activations[f"blocks.{i}.attn.hook_attn_scores"]
+        np.testing.assert_array_equal(np.isneginf(scores), reference[(i, "pattern")] == 0)
+        assert_close(softmax(scores), reference[(i, "pattern")], atol=ACTIVATION_TOL, rtol=0)
+    assert result.activations["blocks.0.attn.hook_q"].shape == (len(fed), info.attention.n_heads, info.attention.d_head)
+    assert result.activations["blocks.0.attn.hook_k"].shape[1] == info.attention.n_kv_heads
+
+
+def test_a_pattern_for_chosen_queries_covers_every_earlier_key(loop, arch):
+    """last_prompt and explicit positions: [queries, heads, keys up to the last query]; the
+    other hooks of the request keep to the positions asked for."""
+    name, engine, path, _ = arch
+    prompt = prompt_ids(PROMPT_LEN, seed=6)
+    capture = {"hooks": ["blocks.3.attn.hook_pattern", "blocks.3.hook_resid_post", "blocks.3.attn.hook_z"]}
+    last, chosen = loop.run(together(
+        engine.generate({"prompt": prompt, "max_tokens": 3, "temperature": 0, "capture": capture | {"positions": "last_prompt"}}),
+        engine.generate({"prompt": prompt, "max_tokens": 3, "temperature": 0, "capture": capture | {"positions": [3, -2, 20]}}),
+    ))
+    reference = hf_attention(path, prompt)
+    pattern = reference[(3, "pattern")]
+    assert last.positions == [PROMPT_LEN - 1]
+    assert_close(last.activations["blocks.3.attn.hook_pattern"], pattern[-1:], atol=ACTIVATION_TOL, rtol=0, err_msg=name)
+    assert_close(last.activations["blocks.3.attn.hook_z"], reference[(3, "z")][-1:], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL)
+    assert chosen.positions == [3, 20, PROMPT_LEN - 2]
+    assert_close(chosen.activations["blocks.3.attn.hook_pattern"], pattern[[3, 20, PROMPT_LEN - 2], :, : PROMPT_LEN - 1],
+                 atol=ACTIVATION_TOL, rtol=0, err_msg=name)
+    assert chosen.activations["blocks.3.hook_resid_post"].shape == (3, 128)
+
+
+def test_per_head_edits_match_hf_and_leave_the_batch_alone(loop, arch):
+    """Ablating one head of z (scale 0) and patching another (set) reproduce HF with the same
+    edit of z: greedy tokens equal, logits within 1e-3; a request beside them is unchanged, and
+    zeroing a head's q makes its pattern uniform over the keys it sees."""
+    name, engine, path, _ = arch
+    info = loop.run(engine.info())
+    heads, d_head = info.attention.n_heads, info.attention.d_head_v
+    prompt = prompt_ids(14, seed=24)
+    patch = np.random.default_rng(3).standard_normal((1, d_head)).astype(np.float32)
+    edits = [{"hook": "blocks.1.attn.hook_z", "op": "scale", "factor": 0.0, "heads": [heads - 1]},
+             {"hook": "blocks.2.attn.hook_z", "op": "set", "values": patch, "heads": [0], "positions": "prompt"}]
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+    zero_q = {"hook": "blocks.0.attn.hook_q", "op": "scale", "factor": 0.0, "heads": [0]}
+    plain, edited, flat = loop.run(together(
+        engine.generate(base),
+        engine.generate(base | {"interventions": edits}),
+        engine.generate(base | {"interventions": [zero_q], "capture": {"hooks": ["blocks.0.attn.hook_pattern"], "positions": "prompt"}}),
+    ))
+
+    def ablate(z):
+        z = z.clone()
+        z[:, heads - 1] = 0
+        return z
+
+    def patched(z):
+        z = z.clone()
+        z[: len(prompt), 0] = torch.from_numpy(patch[0])
+        return z
+
+    tokens = list(prompt)
+    for _ in range(4):  # HF greedy with the same edits of z
+        reference = hf_attention(path, tokens, {1: ablate, 2: patched})
+        tokens.append(int(reference[(-1, "logits")][-1].argmax()))
+    assert edited.token_ids == tokens[len(prompt):], name
+    expected = hf_attention(path, prompt + edited.token_ids[:-1], {1: ablate, 2: patched})[(-1, "logits")]
+    assert_close(edited.logits, expected, atol=LOGIT_TOL, rtol=0, err_msg=name)
+    assert_close(plain.logits, hf_logits(path, prompt + plain.token_ids[:-1]), atol=LOGIT_TOL, rtol=0, err_msg=name)
+    uniform = flat.activations["blocks.0.attn.hook_pattern"][:, 0]
+    visible = uniform > 0
+    expected_uniform = np.where(visible, 1.0 / visible.sum(-1, keepdims=True), 0.0)
+    assert_close(uniform, expected_uniform, atol=1e-6, rtol=0, err_msg=name)
+
+
+async def together(*requests):
+    return await asyncio.gather(*requests)
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return weights / weights.sum(-1, keepdims=True)

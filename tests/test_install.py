@@ -162,7 +162,9 @@ def test_imports_are_declared_in_the_extra_that_installs_that_code():
     rules = {
         "replicas": [core_serve | (declared("cpu") & declared("gpu"))],
         "deploy": [core_serve],
-        "provider": [declared("core", "serve", "inspect")],
+        # saelens: `capserve export` (provider/saelens_export.py) runs in the env that extra makes;
+        # tl: provider/tl_bridge.py boots TransformerLens's bridge
+        "provider": [declared("core", "serve", "inspect", "saelens", "tl")],
     }
     wrong = {}
     for directory, (allowed,) in rules.items():
@@ -193,6 +195,7 @@ esac
 def run_install_sh(tmp_path: Path, index_up: bool, **env: str) -> list[str]:
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "install.sh", tmp_path / "scripts" / "install.sh")
+    shutil.copy(ROOT / "scripts" / "torch_index.sh", tmp_path / "scripts" / "torch_index.sh")
     shutil.copy(ROOT / "scripts" / "vllm_cpu_deps.py", tmp_path / "scripts" / "vllm_cpu_deps.py")
     fake = tmp_path / ".venv" / "bin" / "python"
     fake.parent.mkdir(parents=True)

@@ -198,14 +198,14 @@ def test_edit_slots_admit_by_distinct_ops():
     """Requests with the same steering vector share one table row; a new vector waits for a free one."""
     import asyncio
 
-    from replicas.engine import _EditSlots
+    from replicas.edit_slots import EditSlots
 
     def edit(vector: list[float]) -> dict:
         return {"layer": 1, "kind": "resid_post", "stage": 0, "op": "add", "vector": arrays.to_raw(np.array(vector, np.float32)),
                 "values": None, "scale": 1.0, "norm_match": False, "factor": None}
 
     async def scenario() -> list[str]:
-        slots, order = _EditSlots(1), []
+        slots, order = EditSlots(1), []
 
         async def run(name: str, vector: list[float], hold: asyncio.Event) -> None:
             async with slots.hold([edit(vector)]):

@@ -1,0 +1,190 @@
+"""Overhead of capserve's attention hooks and SAE encoding against plain vLLM, side by side on one GPU.
+
+    python -m bench.bench_side_by_side --config llama8b --rounds 3 [--out DIR]
+    python -m bench.bench_side_by_side --config tiny --workloads 16x64+16 --rounds 2   # CPU check
+
+Plain vLLM (CUDA graphs, its default runner) and two capserve engines (CUDA graphs) live on the
+same GPU, a third of its memory each, and take turns: every round runs each case's batch once,
+plain first. A process-per-engine run drifts by a few percent; alternating in one process cancels
+that. Reported per case: tokens per second (prompt + generated) of the first round and the median
+of the later ones, each as a ratio to plain's batch of the same round(s).
+
+Deployments and cases:
+  z        hook_z armed (capture) at every layer, edits on z at the middle layer (`steer_layers`):
+           armed, unused | hook_z at 1 layer, every position, bf16 | ablate 1 head at that layer
+  pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
+           --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
+           for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import statistics
+import time
+from typing import Any, Awaitable, Callable
+
+from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, Workload, dummy_model_folder, engine_settings, model_shape, write_result
+
+Submit = Callable[[list[int]], Awaitable[Any]]
+PLAIN = "plain vLLM, CUDA graphs"
+
+
+def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
+    """name -> (EngineConfig fields, cases)."""
+    middle = n_layers // 2
+    z = {"armed_kinds": ["z"], "steer_kinds": ["z"], "steer_layers": [middle]}
+    pattern = {"armed_kinds": ["resid_post", "pattern"], "steer_kinds": []} | ({"saes": sae["config"]} if sae else {})
+    z_cases = {
+        "hook_z armed, unused": {},
+        "capture hook_z 1 layer, all positions (bf16)": {
+            "capture": {"hooks": [f"blocks.{middle}.attn.hook_z"], "positions": "all", "dtype": "bfloat16"}
+        },
+        "ablate 1 head of hook_z, 1 layer": {
+            "interventions": [{"hook": f"blocks.{middle}.attn.hook_z", "op": "scale", "factor": 0.0, "heads": [0]}]
+        },
+    }
+    pattern_cases = {
+        "hook_pattern (+ resid_post) armed, unused": {},
+        "pattern 1 layer, last_prompt": {"capture": {"hooks": [f"blocks.{middle}.attn.hook_pattern"], "positions": "last_prompt"}},
+    } | (sae["cases"] if sae else {})
+    return {"z": (z, z_cases), "pattern": (pattern, pattern_cases)}
+
+
+async def batch(workload: Workload, submit: Submit, prompts: list[list[int]]) -> float:
+    start = time.perf_counter()
+    await asyncio.gather(*(submit(p) for p in prompts))
+    return workload.total_tokens / (time.perf_counter() - start)
+
+
+async def start_plain(model: str, settings: dict[str, Any]) -> Any:
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own default runner
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False,
+                        tensor_parallel_size=1, **settings)
+    )
+
+
+def plain_submit(llm: Any, workload: Workload) -> Submit:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True, detokenize=False)
+    counter = iter(range(10**9))
+
+    async def submit(prompt: list[int]) -> Any:
+        async for _ in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"plain-{next(counter)}"):
+            pass
+
+    return submit
+
+
+async def start_capserve(model: str, settings: dict[str, Any], fields: dict[str, Any]) -> Any:
+    from replicas.engine import CaptureEngine, EngineConfig
+
+    return await CaptureEngine.start(
+        EngineConfig(model=model, load_format="dummy", max_capture_bytes=4 << 30, engine_kwargs={"skip_tokenizer_init": True},
+                     **settings, **fields)
+    )
+
+
+def capserve_submit(engine: Any, workload: Workload, extra: dict[str, Any]) -> Submit:
+    base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | extra
+
+    async def submit(prompt: list[int]) -> Any:
+        return await engine.generate(base | {"prompt": prompt})
+
+    return submit
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = dummy_model_folder(args.config)
+    settings = engine_settings(args.config) | {"gpu_memory_utilization": args.memory_share}
+    n_layers = model_shape(args.config)["n_layers"]
+    sae = sae_case(args, n_layers)
+    plain = await start_plain(model, settings)
+    engines, cases = {}, {}
+    for name, (fields, deployment_cases) in deployments(n_layers, sae).items():
+        engines[name] = await start_capserve(model, settings, fields)
+        cases.update({f"{name}: {case}": (engines[name], extra) for case, extra in deployment_cases.items()})
+    results: dict[str, Any] = {}
+    try:
+        for name in args.workloads:
+            workload = WORKLOADS[name]
+            prompts = workload.prompt_ids(vocab=VOCAB)
+            submits = {PLAIN: plain_submit(plain, workload)} | {
+                case: capserve_submit(engine, workload, extra) for case, (engine, extra) in cases.items()
+            }
+            for submit in submits.values():  # warm-up
+                await asyncio.gather(*(submit(p) for p in prompts[:8]))
+            rounds: dict[str, list[float]] = {case: [] for case in submits}
+            for r in range(args.rounds):
+                for case, submit in submits.items():
+                    rounds[case].append(await batch(workload, submit, prompts))
+                    print(f"{name} round {r} {case}: {rounds[case][-1]:.0f} tok/s", flush=True)
+            results[name] = summarize(rounds)
+            gc.collect()
+    finally:
+        for engine in engines.values():
+            await engine.shutdown()
+        plain.shutdown()
+    return results
+
+
+def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
+    base = rounds[PLAIN]
+    out = {}
+    for case, values in rounds.items():
+        warm = values[1:] or values
+        out[case] = {
+            "tok_per_s": values,
+            "first_ratio": values[0] / base[0],
+            "warm_median_tok_per_s": statistics.median(warm),
+            "warm_ratio": statistics.median(warm) / statistics.median(base[1:] or base),
+        }
+    return out
+
+
+def sae_case(args: argparse.Namespace, n_layers: int) -> dict[str, Any] | None:
+    """An SAE of random weights at the middle layer's resid_post (`bench.sae_folder`), and its case."""
+    if not args.sae:
+        return None
+    from bench.sae_folder import random_sae_folder
+
+    hook = f"blocks.{n_layers // 2}.hook_resid_post"
+    folder = random_sae_folder(model_shape(args.config)["d_model"], args.sae_features, hook, k=32)
+    return {
+        "config": {"bench": {"path": folder, "hook": hook}},
+        "cases": {f"sae top-32 of {args.sae_features} features, 1 layer, all positions": {
+            "sae": [{"sae_id": "bench", "top_k": 32, "positions": "all"}]}},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="llama8b")
+    parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines)")
+    parser.add_argument("--sae", action="store_true", help="also arm a TopK SAE and measure encoding")
+    parser.add_argument("--sae-features", type=int, default=16384)
+    parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    payload = {"config": args.config, "rounds": args.rounds, "results": results}
+    path = write_result(f"side_by_side_{args.config}", payload, args.out)
+    for workload, cases in results.items():
+        print(f"\n{workload}: first round / median of later rounds, vs plain")
+        for case, row in cases.items():
+            print(f"  {case:70s} {row['first_ratio']:.3f}  {row['warm_ratio']:.3f}")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
