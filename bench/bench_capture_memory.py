@@ -36,8 +36,9 @@ def rss_mb() -> float:
 
 
 def child(source: Path, out: Path, args: argparse.Namespace) -> dict:
-    from provider.cli import parse_positions
-    from provider.harvest import CaptureOptions, run_capture
+    from provider.dataset.cli import parse_positions
+    from provider.dataset.harvest import run_capture
+    from provider.dataset.options import CaptureOptions
     from tests.cli_fakes import FakeBackend
 
     options = CaptureOptions(

@@ -38,7 +38,7 @@ from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from provider._serve import AppConnection, classify, unwrap
-from provider.shards import load_capture  # noqa: F401  (re-exported: what `capserve capture` wrote)
+from provider.dataset.shards import load_capture  # noqa: F401  (re-exported: what `capserve capture` wrote)
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
 from replicas.errors import DeadlineExceededError, InvalidRequestError
 

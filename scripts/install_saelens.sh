@@ -36,5 +36,5 @@ torch_cpu_index "$py" install_saelens.sh
 "${pip[@]}" -e ".[saelens]" "sae-lens==$SAELENS" "torch==$TORCH+cpu"
 "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$py" -c "import torch, sys; sys.exit(torch.version.cuda and f'install_saelens.sh: torch {torch.__version__} is a CUDA build; need the CPU build')"
-"$py" -c "import sae_lens, datasets, torch, provider.saelens_export; print('install_saelens.sh: ok: sae-lens', sae_lens.__version__, 'datasets', datasets.__version__, 'torch', torch.__version__)"
+"$py" -c "import sae_lens, datasets, torch, provider.dataset.saelens_export; print('install_saelens.sh: ok: sae-lens', sae_lens.__version__, 'datasets', datasets.__version__, 'torch', torch.__version__)"
 echo "$want" > "$stamp"

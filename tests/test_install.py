@@ -162,7 +162,7 @@ def test_imports_are_declared_in_the_extra_that_installs_that_code():
     rules = {
         "replicas": [core_serve | (declared("cpu") & declared("gpu"))],
         "deploy": [core_serve],
-        # saelens: `capserve export` (provider/saelens_export.py) runs in the env that extra makes;
+        # saelens: `capserve export` (provider/dataset/saelens_export.py) runs in the env that extra makes;
         # tl: provider/tl_bridge.py boots TransformerLens's bridge
         "provider": [declared("core", "serve", "inspect", "saelens", "tl")],
     }

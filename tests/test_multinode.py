@@ -23,7 +23,7 @@ import pytest
 
 from bench.common import free_port
 from bench.load import wait_engine_gone, wait_until
-from provider.shards import finished_shards, load_capture
+from provider.dataset.shards import finished_shards, load_capture
 from replicas import arrays
 from replicas.tiny import make_tiny_model
 from tests.hf_reference import hf_activations
@@ -128,7 +128,7 @@ def test_a_dataset_capture_survives_a_replica_kill_with_nothing_lost(nodes, tmp_
     wait_until(lambda: nodes.running() == 2, "two replicas", 300)
     victim = nodes.identities()[0]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    command = [sys.executable, "-m", "provider.cli", "capture", str(source), "--out", str(out), "--hooks", HOOK,
+    command = [sys.executable, "-m", "provider.dataset.cli", "capture", str(source), "--out", str(out), "--hooks", HOOK,
                "--positions", "prompt", "--no-progress", "--address", nodes.gcs, "--shard-lines", "10",
                "--concurrency", "16", "--max-tokens", "16"]
     with open(tmp_path / "cli.log", "w") as log:

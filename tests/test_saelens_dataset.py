@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from provider.saelens_export import ExportError, plan_export
-from provider.shards import LineRows, load_capture, write_json, write_shard
+from provider.dataset.saelens_export import ExportError, plan_export
+from provider.dataset.shards import LineRows, load_capture, write_json, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 SAELENS_PY = ROOT / ".venv-saelens" / "bin" / "python"
@@ -105,7 +105,7 @@ def test_cli_export_errors_exit_2(tmp_path):
     (tmp_path / "full" / "x").write_text("")
 
     def export(*args: str) -> str:
-        run = subprocess.run([sys.executable, "-m", "provider.cli", "export", *args], cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+        run = subprocess.run([sys.executable, "-m", "provider.dataset.cli", "export", *args], cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
         assert run.returncode == 2, run.stderr
         return run.stderr
 
@@ -156,7 +156,7 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         serve.run(build_app({"num_replicas": 1, "engine": {"max_model_len": 256, "max_num_seqs": 32}}), name="capserve", route_prefix="/")
         out = root / "capture"
-        run_logged([sys.executable, "-m", "provider.cli", "capture", str(source), "--out", str(out), "--hooks", f"{HOOK},{OTHER}",
+        run_logged([sys.executable, "-m", "provider.dataset.cli", "capture", str(source), "--out", str(out), "--hooks", f"{HOOK},{OTHER}",
                     "--positions", "all", "--shard-lines", "40", "--no-progress", "--address", context.address_info["gcs_address"]],
                    root / "capture.log", timeout=600)
     finally:
@@ -171,7 +171,7 @@ def test_saelens_trains_on_a_capserve_export_and_reads_the_captured_rows(capture
     cap = load_capture(capture)
     assert cap.rows == N_LINES * CTX and list(cap.records())[5]["positions"] == list(range(CTX))
     dataset = tmp_path / "dataset"
-    export_s = run_logged([python, "-m", "provider.cli", "export", str(capture), "--out", str(dataset), "--hooks", HOOK],
+    export_s = run_logged([python, "-m", "provider.dataset.cli", "export", str(capture), "--out", str(dataset), "--hooks", HOOK],
                           tmp_path / "export.log", timeout=300)
     side = json.loads((dataset / "capserve_export.json").read_text())
     assert side["saelens"] == {"use_cached_activations": True, "hook_name": HOOK, "context_size": CTX, "d_in": 128,
@@ -201,7 +201,7 @@ def test_pack_layout_round_trips_through_datasets(capture, tmp_path):
     capture's rows cut into sequences of 48, the remainder dropped, features as SAELens writes."""
     python = saelens_python()
     dataset = tmp_path / "packed"
-    run_logged([python, "-m", "provider.cli", "export", str(capture), "--out", str(dataset), "--layout", "pack",
+    run_logged([python, "-m", "provider.dataset.cli", "export", str(capture), "--out", str(dataset), "--layout", "pack",
                 "--context-size", "48", "--dtype", "float16"], tmp_path / "export.log", timeout=300)
     check = ("import datasets, numpy as np, sys; ds = datasets.load_from_disk(sys.argv[1]); ds.set_format('numpy');"
              f"np.savez(sys.argv[2], a=ds['{HOOK}'], b=ds['{OTHER}'], t=ds['token_ids']); print(repr(ds.features))")

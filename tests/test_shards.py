@@ -14,17 +14,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from provider.capture_input import InputError, count_lines, read_input
-from provider.capture_manifest import ManifestMismatch, lock_folder
-from provider.cli import build_parser, parse_positions, serve_command, serve_config
-from provider.harvest import (
-    CaptureOptions,
-    Harvester,
-    LineFailed,
-    Progress,
-    run_capture,
+from provider.dataset.cli import (
+    build_parser,
+    parse_positions,
+    serve_command,
+    serve_config,
 )
-from provider.shards import (
+from provider.dataset.harvest import Harvester, Progress, run_capture
+from provider.dataset.input import InputError, count_lines, read_input
+from provider.dataset.manifest import ManifestMismatch, lock_folder
+from provider.dataset.options import CaptureOptions, LineFailed
+from provider.dataset.shards import (
     LineRows,
     finished_shards,
     load_capture,
@@ -246,7 +246,7 @@ def test_the_loader_imports_no_ray(tmp_path):
     source = write_lines(tmp_path / "in.txt", prompts(12))
     capture(source, tmp_path / "out", options())
     code = (f"import sys; sys.modules['ray'] = None\n"  # an `import ray` anywhere would now fail
-            f"from provider.shards import load_capture\n"
+            f"from provider.dataset.shards import load_capture\n"
             f"cap = load_capture({str(tmp_path / 'out')!r}); print(cap.rows, cap['{HOOKS[0]}'][0][0])")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
@@ -258,7 +258,7 @@ def test_the_loader_imports_no_ray(tmp_path):
 
 def test_cli_arguments_the_console_script_and_serve_overrides(tmp_path):
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"capserve": "provider.cli:main"}
+    assert scripts == {"capserve": "provider.dataset.cli:main"}
     assert parse_positions("last_prompt") == "last_prompt" and parse_positions("0,-1") == (0, -1)
     with pytest.raises(ValueError, match="comma-separated ints"):
         parse_positions("first")
@@ -272,6 +272,6 @@ def test_cli_arguments_the_console_script_and_serve_overrides(tmp_path):
     bare = serve_config(build_parser().parse_args(["serve", "--config", str(tmp_path / "none.yaml")]))
     assert bare["applications"][0]["import_path"] == "deploy.app:build_app"
     source = write_lines(tmp_path / "in.txt", prompts(3))
-    bad = subprocess.run([sys.executable, "-m", "provider.cli", "capture", str(source), "--out", str(tmp_path / "o"),
+    bad = subprocess.run([sys.executable, "-m", "provider.dataset.cli", "capture", str(source), "--out", str(tmp_path / "o"),
                           "--hooks", "blocks.0.hook_nonsense"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "hook_nonsense" in bad.stderr

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from provider.capture_input import InputError, detect_format
+from provider.dataset.input import InputError, detect_format
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 POSITION_MODES = ("all", "prompt", "generated", "last_prompt")
@@ -93,7 +93,7 @@ def _serve_parser(commands: Any) -> None:
 
 
 def _export_parser(commands: Any) -> None:
-    from provider.saelens_export import EXPORT_DTYPES, LAYOUTS
+    from provider.dataset.saelens_export import EXPORT_DTYPES, LAYOUTS
 
     p = commands.add_parser(
         "export", help="convert a capture folder into the dataset SAELens trains from",
@@ -126,7 +126,7 @@ def parse_positions(text: str) -> str | tuple[int, ...]:
 
 
 def capture_options(args: argparse.Namespace, input_format: str) -> Any:
-    from provider.harvest import CaptureOptions
+    from provider.dataset.options import CaptureOptions
 
     hooks = tuple(h.strip() for h in args.hooks.split(",") if h.strip())
     return CaptureOptions(
@@ -137,7 +137,7 @@ def capture_options(args: argparse.Namespace, input_format: str) -> Any:
 
 
 def make_backend(args: argparse.Namespace) -> Any:
-    from provider.backends import HandleBackend, HttpBackend
+    from provider.dataset.backends import HandleBackend, HttpBackend
 
     if args.http:
         api_key = args.api_key or os.environ.get("CAPSERVE_API_KEY")
@@ -146,8 +146,8 @@ def make_backend(args: argparse.Namespace) -> Any:
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from provider.capture_manifest import ManifestMismatch
-    from provider.harvest import LineFailed
+    from provider.dataset.manifest import ManifestMismatch
+    from provider.dataset.options import LineFailed
 
     if not args.input.is_file():
         return _fail(f"input {args.input} is not a file", 2)
@@ -170,7 +170,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, options: Any, backend: Any) -> Any:
-    from provider.harvest import run_capture
+    from provider.dataset.harvest import run_capture
 
     try:
         return await run_capture(args.input, args.out, options, backend, progress=not args.no_progress)
@@ -182,7 +182,7 @@ async def _run(args: argparse.Namespace, options: Any, backend: Any) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from provider.saelens_export import ExportError, export_saelens
+    from provider.dataset.saelens_export import ExportError, export_saelens
 
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()] if args.hooks else None
     try:

@@ -121,7 +121,7 @@ class HttpBackend:
 
 def result_from_safetensors(body: bytes) -> GenerateResult:
     """A GenerateResult from deploy/http.py's safetensors response (fields in the metadata)."""
-    from provider.shards import tensors_from_buffer
+    from provider.dataset.shards import tensors_from_buffer
 
     tensors, metadata = tensors_from_buffer(body)
     fields = json.loads(metadata["capserve"])

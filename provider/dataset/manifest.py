@@ -13,11 +13,12 @@ import sys
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from provider.shards import (
+from provider.dataset.options import CaptureOptions
+from provider.dataset.shards import (
     FORMAT,
     MANIFEST,
     finished_shards,
@@ -27,9 +28,6 @@ from provider.shards import (
     write_json,
 )
 from replicas.api import ModelInfo
-
-if TYPE_CHECKING:
-    from provider.harvest import CaptureOptions
 
 
 class ManifestMismatch(ValueError):

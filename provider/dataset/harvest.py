@@ -1,7 +1,7 @@
 """The `capserve capture` pipeline: stream prompts, capture them concurrently, write shards.
 
 Memory stays flat whatever the input size:
-- the input is read line by line (`provider.capture_input`);
+- the input is read line by line (`provider.dataset.input`);
 - at most `concurrency` requests are in flight (a semaphore);
 - results wait in memory only until their shard is complete, and at most `window` shards are
   open at once: the reader stops before opening a shard past the window until the oldest open
@@ -21,75 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import random
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from provider.backends import Backend
-from provider.capture_input import InputLine, count_lines, fingerprint, read_input
-from provider.capture_manifest import finish_manifest, lock_folder, open_folder
-from provider.shards import LineRows, finished_shards, write_shard
-from replicas.api import CaptureSpec, GenerateResult, ModelInfo
+from provider.dataset.backends import Backend
+from provider.dataset.input import InputLine, count_lines, fingerprint, read_input
+from provider.dataset.manifest import finish_manifest, lock_folder, open_folder
+from provider.dataset.options import CaptureOptions, LineFailed
+from provider.dataset.shards import LineRows, finished_shards, write_shard
+from replicas.api import GenerateResult, ModelInfo
 from replicas.arrays import DTYPES
 from replicas.errors import InvalidRequestError
 from replicas.hooks import resolve_hook
 
 MAX_BACKOFF_S = 20.0
-
-
-class LineFailed(RuntimeError):
-    """A line that could not be captured; the message names the input line."""
-
-
-@dataclass(frozen=True)
-class CaptureOptions:
-    hooks: tuple[str, ...]
-    positions: str | tuple[int, ...] = "all"
-    reduce: str = "none"
-    dtype: str = "float32"
-    max_tokens: int = 0  # 0: prompt only, through the Router's capture()
-    temperature: float = 0.0
-    shard_lines: int = 1024
-    input_format: str = "jsonl"
-    concurrency: int = 64
-    retries: int = 8
-    skip_invalid: bool = False
-
-    def __post_init__(self) -> None:
-        # The same checks the Router makes, before any request: a typo fails here, not per line.
-        CaptureSpec(hooks=list(self.hooks), positions=self._positions(), reduce=self.reduce, dtype=self.dtype)
-        if self.max_tokens == 0 and self.positions == "generated":
-            raise ValueError("--positions generated needs --max-tokens > 0 (with 0 only the prompt runs)")
-        for name in ("shard_lines", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-    def _positions(self) -> str | list[int]:
-        return self.positions if isinstance(self.positions, str) else list(self.positions)
-
-    def pinned(self) -> dict[str, Any]:
-        """What decides a shard's content; must match on resume."""
-        keys = ("hooks", "positions", "reduce", "dtype", "max_tokens", "temperature", "shard_lines", "input_format")
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k in keys}
-
-    def request(self, prompt: Any) -> dict[str, Any]:
-        capture = {"hooks": list(self.hooks), "positions": self._positions(), "reduce": self.reduce, "dtype": self.dtype}
-        request: dict[str, Any] = {"prompt": prompt, "capture": capture}
-        if self.max_tokens > 0:
-            request.update(max_tokens=self.max_tokens, temperature=self.temperature)
-        return request
-
-    @property
-    def window(self) -> int:
-        """Open shards: enough that `concurrency` requests fit in them, plus one being written."""
-        return max(2, math.ceil(self.concurrency / self.shard_lines) + 1)
 
 
 @dataclass

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from provider.shards import Capture, load_capture
+from provider.dataset.shards import Capture, load_capture
 from replicas.hooks import HookNameError, resolve_hook
 
 LAYOUTS = ("exact", "truncate", "pack")
