@@ -37,8 +37,8 @@ def rss_mb() -> float:
 
 def child(source: Path, out: Path, args: argparse.Namespace) -> dict:
     from provider.dataset.cli import parse_positions
-    from provider.dataset.harvest import run_capture
     from provider.dataset.options import CaptureOptions
+    from provider.dataset.run import run_capture
     from tests.cli_fakes import FakeBackend
 
     options = CaptureOptions(

@@ -5,6 +5,7 @@ Handle methods (Python callers, the provider and the client):
     await handle.generate.remote(request)            -> GenerateResult
     await handle.capture.remote(request)             -> GenerateResult (prompt activations)
     await handle.capture_batch.remote([req, ...])    -> [GenerateResult, ...] in input order
+    await handle.capture_shard.remote(job)           -> ShardIndex dict: a replica wrote the shard (replicas.sink)
     await handle.info.remote()                       -> ModelInfo
     await handle.stats.remote()                      -> queue depth and per-replica outstanding cost
     await handle.ready.remote()                      -> ReadyStatus: can an engine serve now (deploy.readiness)
@@ -48,6 +49,7 @@ from replicas.errors import (
     InvalidRequestError,
     ReplicaUnavailableError,
 )
+from replicas.sink import ShardJob, shard_job
 from replicas.validation import validated
 
 from deploy.admission import AdmissionQueue, AttemptFailed, AttemptTimedOut, Deadline, Gate, within
@@ -300,6 +302,17 @@ class Router:
                 for state in states:  # then whatever a task cancelled before its first step left
                     self._leave(state)
 
+    async def capture_shard(self, job: ShardJob | dict[str, Any]) -> dict[str, Any]:
+        """`capserve capture --sink replica`: one replica captures a shard's lines and writes the
+        shard itself (replicas.sink); returns its `ShardIndex` as a dict, never the rows. Balanced
+        by the summed cost of its lines, one queue slot, retried on another replica when the one
+        running it dies (a shard is published atomically, so a retry never leaves half of one)."""
+        job = shard_job(job)
+        async with within(self._deadline()) as deadline:
+            self._admit(1)
+            cost = sum([await self._cost(validated(item.request, f"lines[{i}].request.")) for i, item in enumerate(job.lines)])
+            return await self._submit("capture_shard", job, False, deadline, cost=cost)
+
     async def info(self) -> ModelInfo:
         if self._info is None:
             async with within(self._deadline()) as deadline:
@@ -353,8 +366,9 @@ class Router:
             raise type(remote_cause(exc))(f"requests[{index}]: {public_message(exc)}") from None
 
     async def _submit(
-        self, method: str, request: GenerateRequest, by_reference: bool, deadline: Deadline, state: "_Attempts | None" = None,
-        *, options: Any = None, attempt: Callable[[ReplicaSlot], Awaitable[Any]] | None = None,
+        self, method: str, request: GenerateRequest | ShardJob, by_reference: bool, deadline: Deadline,
+        state: "_Attempts | None" = None, *, options: Any = None, attempt: Callable[[ReplicaSlot], Awaitable[Any]] | None = None,
+        cost: float | None = None,
     ) -> Any:
         """Run an admitted request to completion, on another replica each time one dies or hangs.
         Runs inside `within(deadline)`: when it passes, the CancelledError lands wherever the
@@ -362,7 +376,7 @@ class Router:
         state = state or _Attempts()
         routing = self._config.routing
         try:
-            cost = await self._cost(request)
+            cost = await self._cost(request) if cost is None else cost  # type: ignore[arg-type]
             deadline.stage = "waiting for a replica slot (replicas full, starting or restarting)"
             await self._gate.enter()
             state.placing = True
@@ -411,7 +425,7 @@ class Router:
             self._gate.placed()
 
     async def _run(
-        self, slot: ReplicaSlot, method: str, request: GenerateRequest, deadline: Deadline, options: Any = None
+        self, slot: ReplicaSlot, method: str, request: GenerateRequest | ShardJob, deadline: Deadline, options: Any = None
     ) -> tuple[Any, Any]:
         limit_s = self._config.routing.attempt_limit_s
         timer = asyncio.timeout_at(deadline.cap(limit_s))  # None: the request's deadline comes first

@@ -29,9 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
 from replicas.cost import request_cost
-from replicas.errors import CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.error_messages import quiet_client_errors
+from replicas.errors import (
+    CaptureFailedError,
+    InvalidRequestError,
+    ReplicaUnavailableError,
+)
 from replicas.lifeline import engine_processes
+from replicas.sink import ShardJob, ShardSink, run_shard, shard_job
 from replicas.validation import validated
 
 logger = logging.getLogger("capserve.replica")
@@ -60,6 +65,13 @@ class ReplicaOptions(BaseModel):
         False,
         description="Tests only: allow `stall()`, which wedges this replica. Off unless AppArgs.fault_injection; "
         "no HTTP route reaches it.",
+    )
+    sink_threads: int = Field(2, ge=1, description="capture_shard: threads writing shards to disk (replicas.sink).")
+    sink_max_unwritten: int = Field(
+        2, ge=1, description="capture_shard: shards whose rows this replica holds at once (capturing or being written)."
+    )
+    sink_policy: Literal["wait", "refuse"] = Field(
+        "wait", description="capture_shard past sink_max_unwritten: wait for a slot, or refuse with BackPressureError."
     )
 
 
@@ -119,6 +131,7 @@ class EngineReplica:
         self._idle.set()
         self._draining = False
         self._metrics = _Metrics()
+        self._sink = ShardSink(self._options.sink_threads, self._options.sink_max_unwritten, self._options.sink_policy)
         if self._options.device == "cpu" and self._options.cpu_bind != "inherit":
             _bind_cpu(self._options.cpu_bind, self._identity["local_rank"])
         config = config.model_copy(update={"model": _resolve_model(config.model)})
@@ -157,6 +170,15 @@ class EngineReplica:
                     yield item
             finally:
                 await stream.aclose()
+
+    async def capture_shard(self, job: ShardJob | dict[str, Any]) -> dict[str, Any]:
+        """`capserve capture --sink replica`: run a shard's lines here (each through generate(),
+        so drain, load and metrics see them), write the shard into the job's folder from this
+        process, and return only its `ShardIndex` (replicas.sink)."""
+        if self._draining:
+            raise ReplicaUnavailableError(f"replica {self.name} is shutting down; retry on another replica")
+        index = await run_shard(shard_job(job), self.generate, self._sink)
+        return index.model_dump()
 
     async def tokenize(self, request: GenerateRequest | dict[str, Any], add_special_tokens: bool = True,
                        token_strs: bool = False) -> dict[str, Any]:
@@ -275,6 +297,7 @@ class EngineReplica:
         except asyncio.TimeoutError:
             logger.warning("replica %s: %d requests still running after the drain timeout", self.name, len(self._in_flight))
         await self._engine.shutdown()
+        self._sink.close()
 
     def __del__(self) -> Any:
         """Serve awaits what this returns on graceful shutdown. A replica that already shut down

@@ -115,3 +115,33 @@ class FakeBackend:
 
     async def close(self) -> None:
         pass
+
+
+class FakeSinkBackend(FakeBackend):
+    """FakeBackend whose "replicas" write shards themselves: `run_shard` runs the job through
+    `replicas.sink.run_shard` in this process, as EngineReplica.capture_shard does."""
+
+    description = "fake with replica-side sinks"
+
+    def __init__(self, *args: Any, fail_shards: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from replicas.sink import ShardSink
+
+        self.sink = ShardSink(threads=2, max_unwritten=2)
+        self.fail_shards = fail_shards  # the first N jobs die mid-shard, as a killed replica would
+        self.jobs = 0
+
+    def shares_folder(self, out: Any) -> bool:
+        return True
+
+    async def replicas(self) -> int:
+        return 2
+
+    async def run_shard(self, job: dict[str, Any]) -> dict[str, Any]:
+        from replicas.sink import run_shard, shard_job
+
+        self.jobs += 1
+        if self.jobs <= self.fail_shards:
+            raise FakeTransient(f"replica died holding shard {job['shard']}")
+        index = await run_shard(shard_job(job), lambda request: self.run(request, False), self.sink)
+        return index.model_dump()

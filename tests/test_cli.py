@@ -2,8 +2,9 @@
 
 The CLI runs as a subprocess (`python -m provider.dataset.cli`, what the console script calls) joined to
 this module's Ray cluster by address, so it can be SIGKILLed like a real run. One reference
-capture of 500 prompts is made once and checked against direct handle captures; the resume and
-replica-loss runs must reproduce it row for row. The replica-loss test runs last (it replaces a
+capture of 500 prompts is made once, with replica-side sinks (`--sink auto` on one node: each
+replica writes its own shards), and checked against direct handle captures; the driver-side
+writer, the HTTP backend, the resume and replica-loss runs must reproduce it row for row. The replica-loss test runs last (it replaces a
 replica). Unit tests of the same code without Ray: tests/test_shards.py.
 """
 
@@ -148,6 +149,35 @@ def test_500_prompts_equal_direct_captures_and_both_replicas_worked(app, source,
         np.testing.assert_allclose(stored, result.activations[HOOK], atol=TOL, rtol=0, err_msg=f"line {i}")
 
 
+def test_reference_was_written_by_the_replicas(reference):
+    assert "replica-side writer" in reference.manifest["backend"]
+
+
+def test_driver_side_writer_writes_the_same_rows_as_the_replicas(app, source, reference, tmp_path):
+    out = tmp_path / "driver"
+    app.run_cli(source, out, "--sink", "driver", "--shard-lines", "50")
+    got = load_capture(out)
+    assert "driver-side writer" in got.manifest["backend"]
+    assert_same_capture(got, reference)
+    assert [r["prompt_token_ids"] for r in got.records()] == [r["prompt_token_ids"] for r in reference.records()]
+
+
+def test_replica_sink_refuses_a_bad_job_as_the_callers_error(app, tmp_path):
+    from replicas.errors import InvalidRequestError
+
+    job = {"folder": "relative/dir", "shard": 0, "spec": {"hooks": [HOOK]}, "d_model": 128,
+           "lines": [{"line": 0, "request": {"prompt": "hi", "max_tokens": 1, "capture": {"hooks": [HOOK]}}}]}
+    with pytest.raises(InvalidRequestError, match="absolute"):
+        app.handle.capture_shard.remote(job).result(timeout_s=120)
+    with pytest.raises(InvalidRequestError, match="job.d_model"):
+        app.handle.capture_shard.remote({**job, "d_model": 0}).result(timeout_s=120)
+    head = tmp_path / "head.jsonl"
+    head.write_text('{"text": "hi"}\n')
+    bad = subprocess.run([sys.executable, "-m", "provider.dataset.cli", "capture", str(head), "--out", str(tmp_path / "o"),
+                          "--hooks", HOOK, "--http", app.url, "--sink", "replica"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--sink replica" in bad.stderr, bad.stderr
+
+
 def _prompt_of(line: dict[str, Any]) -> Any:
     return next(line[key] for key in ("text", "messages", "prompt_token_ids") if key in line)
 
@@ -165,14 +195,14 @@ def test_http_backend_writes_the_same_rows(app, source, reference, tmp_path):
 
 def test_sigkill_mid_run_then_rerun_gives_every_row_once(app, source, reference, tmp_path):
     out = tmp_path / "killed"
-    process = app.cli(source, out, "--shard-lines", "25", "--concurrency", "4")
+    process = app.cli(source, out, "--shard-lines", "25", "--concurrency", "4", "--sink", "replica", "--shards-in-flight", "2")
     wait_for(lambda: len(finished_shards(out)) >= 3 if out.exists() else False, "3 finished shards", process)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     done = finished_shards(out)
     assert len(done) < 20 and not json.loads((out / "manifest.json").read_text())["complete"]
     kept = {k: (out / f"shard-{k:06d}.safetensors").stat().st_ino for k in done}
-    app.run_cli(source, out, "--shard-lines", "25", "--concurrency", "64")
+    app.run_cli(source, out, "--shard-lines", "25", "--concurrency", "64", "--sink", "replica")
     assert {k: (out / f"shard-{k:06d}.safetensors").stat().st_ino for k in done} == kept  # not rewritten
     assert "already done" in (tmp_path / "killed.log").read_text()
     assert_same_capture(load_capture(out), reference)
@@ -185,7 +215,7 @@ def test_killing_a_replica_mid_run_costs_retries_not_rows(app, source, reference
     victim = app.identities()[0]
     # Generating 16 tokens per line keeps requests on the replicas longer (the prompt rows, all
     # that is kept, equal the reference's), so the victim dies holding some.
-    process = app.cli(source, out, "--shard-lines", "25", "--concurrency", "32", "--max-tokens", "16")
+    process = app.cli(source, out, "--shard-lines", "25", "--concurrency", "32", "--max-tokens", "16", "--sink", "replica")
     def victim_busy() -> bool:  # shards written and requests on the victim right now
         if not (out.exists() and finished_shards(out)):
             return False
@@ -200,5 +230,6 @@ def test_killing_a_replica_mid_run_costs_retries_not_rows(app, source, reference
     assert killed_at < 20  # shards were still to come when the replica died
     got = load_capture(out)
     assert_same_capture(got, reference)
+    assert "replica-side writer" in got.manifest["backend"]
     assert all(1 <= len(r["token_ids"]) <= 16 and "text" in r for r in got.records())  # EOS may stop early
     print((tmp_path / "replica_lost.log").read_text()[-1500:])  # the summary: retries, the replica split

@@ -20,10 +20,11 @@ from provider.dataset.cli import (
     serve_command,
     serve_config,
 )
-from provider.dataset.harvest import Harvester, Progress, run_capture
+from provider.dataset.harvest import Harvester, Progress
 from provider.dataset.input import InputError, count_lines, read_input
 from provider.dataset.manifest import ManifestMismatch, lock_folder
 from provider.dataset.options import CaptureOptions, LineFailed
+from provider.dataset.run import run_capture
 from provider.dataset.shards import (
     LineRows,
     finished_shards,
@@ -31,7 +32,7 @@ from provider.dataset.shards import (
     map_shard,
     write_shard,
 )
-from tests.cli_fakes import FakeBackend, expected_rows
+from tests.cli_fakes import FakeBackend, FakeSinkBackend, expected_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ("blocks.0.hook_resid_post", "blocks.2.hook_attn_out")
@@ -275,3 +276,50 @@ def test_cli_arguments_the_console_script_and_serve_overrides(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "provider.dataset.cli", "capture", str(source), "--out", str(tmp_path / "o"),
                           "--hooks", "blocks.0.hook_nonsense"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "hook_nonsense" in bad.stderr
+
+
+# ---------------------------------------------------------------- replica-side sinks (fake replicas)
+
+
+def test_replica_side_sinks_write_what_the_driver_writes(tmp_path):
+    texts = prompts(35) + [""] + prompts(4)
+    source = write_lines(tmp_path / "in.txt", texts)
+    opts = options()
+    driver = capture(source, tmp_path / "driver", options(sink="driver"), FakeSinkBackend())
+    replica = capture(source, tmp_path / "replica", opts, FakeSinkBackend())
+    assert driver.complete and replica.complete and replica.captured == driver.captured == 39 and replica.blank == 1
+    check_folder(tmp_path / "replica", texts, opts)
+    for k in range(4):  # byte for byte the same shards, whoever wrote them
+        for suffix in (".safetensors", ".jsonl"):
+            name = f"shard-{k:06d}{suffix}"
+            assert (tmp_path / "replica" / name).read_bytes() == (tmp_path / "driver" / name).read_bytes(), name
+    manifest = json.loads((tmp_path / "replica" / "manifest.json").read_text())
+    assert "replica-side writer" in manifest["backend"]
+
+
+def test_replica_side_sinks_retry_a_lost_shard_and_resume_a_driver_folder(tmp_path):
+    texts = prompts(50)
+    source = write_lines(tmp_path / "in.txt", texts)
+    out = tmp_path / "out"
+    backend = FakeSinkBackend(on_request=lambda r: (_ for _ in ()).throw(KeyboardInterrupt) if "prompt 27 " in r["prompt"] else None)
+    with pytest.raises(KeyboardInterrupt):
+        capture(source, out, options(sink="driver", concurrency=1), backend)
+    done_before = finished_shards(out)
+    assert done_before and len(done_before) < 5
+    summary = capture(source, out, options(), FakeSinkBackend(fail_shards=2))
+    assert summary.complete and summary.retries == 2 and summary.shards_done_before == len(done_before)
+    check_folder(out, texts, options())
+
+
+def test_sink_choice():
+    from provider.dataset.options import SinkUnreachable
+    from provider.dataset.remote import choose_sink
+
+    out = Path("/tmp/x")
+    assert choose_sink(options(), out, FakeBackend()) == "driver"  # no replica-side method: the fallback
+    assert choose_sink(options(), out, FakeSinkBackend()) == "replica"
+    assert choose_sink(options(sink="driver"), out, FakeSinkBackend()) == "driver"
+    with pytest.raises(SinkUnreachable):
+        choose_sink(options(sink="replica"), out, FakeBackend())
+    with pytest.raises(ValueError, match="--sink"):
+        options(sink="somewhere")

@@ -4,12 +4,17 @@ Both give the pipeline the same three things: `info()`, `run(request, prompt_onl
 Router's `capture` when prompt_only, else `generate`), and `retry_delay(exc)`, which says
 whether a failure is worth another try (a dead replica, a full queue, a dropped connection) and
 how long to wait at least, or None for a failure retrying cannot fix (a bad request).
+
+The handle backend is also a `ShardBackend`: it can hand whole shards to the replicas, which
+write them themselves (`--sink replica`, provider.dataset.remote). HTTP has no such route.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from replicas.api import GenerateResult, ModelInfo
 from replicas.errors import CaptureFailedError, InvalidRequestError
@@ -30,6 +35,18 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class ShardBackend(Backend, Protocol):
+    """A backend whose replicas can write shards themselves (replicas.sink)."""
+
+    def shares_folder(self, out: Path) -> bool:
+        """Whether the replicas can write the folder `out`."""
+
+    async def replicas(self) -> int: ...
+
+    async def run_shard(self, job: dict[str, Any]) -> dict[str, Any]: ...
+
+
 class HandleBackend:
     """Through `CaptureClient` (the Serve handle). The client's own retries are off: the
     pipeline retries, so that each retry is counted and bounded in one place."""
@@ -41,6 +58,7 @@ class HandleBackend:
         # so the Router never re-serializes activation payloads.
         self._client = CaptureClient(app, address, retries=0, by_reference=True, handle=handle)
         self.description = f"serve app {app!r}" + (f" at {address}" if address else "")
+        self._app = app
 
     def connect(self) -> None:
         self._client.info()  # connects in this (the main) thread
@@ -53,6 +71,40 @@ class HandleBackend:
         if prompt_only:
             return await self._client.acapture(request)
         return await self._client.agenerate(request)
+
+    # ------------------------------------------------------------ replica-side sinks (provider.dataset.remote)
+
+    def shares_folder(self, out: Path) -> bool:
+        """Whether the replicas can write `out`: a local folder, and every live node of the
+        cluster is this process's node (one machine). Another filesystem would answer here."""
+        import ray
+
+        if "://" in str(out):
+            return False
+        nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        return nodes == [ray.get_runtime_context().get_node_id()]
+
+    async def replicas(self) -> int:
+        """How many EngineReplicas the app has running (at least 1)."""
+        from ray import serve
+
+        def count() -> int:
+            app = serve.status().applications.get(self._app)
+            deployment = app.deployments.get("EngineReplica") if app is not None else None
+            states = deployment.replica_states if deployment is not None else {}
+            return sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
+
+        return max(1, await asyncio.to_thread(count))
+
+    async def run_shard(self, job: dict[str, Any]) -> dict[str, Any]:
+        """`Router.capture_shard`: a replica captures the job's lines and writes their shard."""
+        handle = await self._client._ahandle()
+        response = handle.capture_shard.remote(job)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
 
     def retry_delay(self, exc: BaseException) -> float | None:
         from provider._serve import classify

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from provider.dataset.input import InputError, detect_format
+from provider.dataset.options import SINKS
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 POSITION_MODES = ("all", "prompt", "generated", "last_prompt")
@@ -71,6 +72,12 @@ def _capture_parser(commands: Any) -> None:
     run.add_argument("--concurrency", type=int, default=64, help="requests in flight (default 64)")
     run.add_argument("--retries", type=int, default=8, help="retries per line on transient failures (default 8)")
     run.add_argument("--skip-invalid", action="store_true", help="record a line the app rejects as invalid and go on")
+    run.add_argument("--sink", choices=SINKS, default="auto",
+                     help="who writes the shards: replica (each replica writes its own; needs --out reachable from "
+                          "the replicas), driver (this process), auto (default: replica when the app runs on this "
+                          "node and --out is a local folder, else driver)")
+    run.add_argument("--shards-in-flight", type=int, default=0,
+                     help="--sink replica: shards captured at once (default 0: 2 per replica, or enough for --concurrency)")
     run.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto", help="input format (default: by suffix/content)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -133,6 +140,7 @@ def capture_options(args: argparse.Namespace, input_format: str) -> Any:
         hooks=hooks, positions=parse_positions(args.positions), reduce=args.reduce, dtype=args.dtype,
         max_tokens=args.max_tokens, temperature=args.temperature, shard_lines=args.shard_lines,
         input_format=input_format, concurrency=args.concurrency, retries=args.retries, skip_invalid=args.skip_invalid,
+        sink=args.sink, shards_in_flight=args.shards_in_flight,
     )
 
 
@@ -147,7 +155,7 @@ def make_backend(args: argparse.Namespace) -> Any:
 
 def cmd_capture(args: argparse.Namespace) -> int:
     from provider.dataset.manifest import ManifestMismatch
-    from provider.dataset.options import LineFailed
+    from provider.dataset.options import LineFailed, SinkUnreachable
 
     if not args.input.is_file():
         return _fail(f"input {args.input} is not a file", 2)
@@ -159,7 +167,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     try:
         backend.connect()
         summary = asyncio.run(_run(args, options, backend))
-    except (InputError, ManifestMismatch, ConnectionError, LookupError) as exc:
+    except (InputError, ManifestMismatch, SinkUnreachable, ConnectionError, LookupError) as exc:
         return _fail(str(exc), 2)
     except LineFailed as exc:
         return _fail(f"{exc}\nFinished shards are kept; rerun the same command to resume.", 1)
@@ -170,7 +178,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, options: Any, backend: Any) -> Any:
-    from provider.dataset.harvest import run_capture
+    from provider.dataset.run import run_capture
 
     try:
         return await run_capture(args.input, args.out, options, backend, progress=not args.no_progress)

@@ -27,19 +27,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from provider.dataset.backends import Backend
-from provider.dataset.input import InputLine, count_lines, fingerprint, read_input
-from provider.dataset.manifest import finish_manifest, lock_folder, open_folder
+from provider.dataset.input import InputLine
 from provider.dataset.options import CaptureOptions, LineFailed
 from provider.dataset.shards import LineRows, finished_shards, write_shard
 from replicas.api import GenerateResult, ModelInfo
-from replicas.arrays import DTYPES
 from replicas.errors import InvalidRequestError
-from replicas.hooks import resolve_hook
+from replicas.sink import RowsMismatch, empty_rows, rows_of
 
 MAX_BACKOFF_S = 20.0
 
@@ -125,7 +120,7 @@ class Harvester:
                 self._tasks = tasks
                 await self._feed(lines)
         except BaseExceptionGroup as group:  # the first real failure, not the group
-            raise _first(group) from None
+            raise first_error(group) from None
         finally:
             self.summary.elapsed_s = time.monotonic() - started
         return self.summary
@@ -200,7 +195,7 @@ class Harvester:
             if not self.options.skip_invalid:
                 raise LineFailed(f"input line {item.line + 1}: {exc} (fix the line, or pass --skip-invalid)") from None
             self.summary.invalid += 1
-            return LineRows(item.line, self._empty(), [], [], {"error": str(exc)})
+            return empty_rows(item.line, self.options.row_spec(), self.info.d_model, str(exc))
         self.summary.captured += 1
         self.summary.replicas[result.replica or "unknown"] += 1
         return line_rows(item, result, self.options, self.info.d_model)
@@ -224,68 +219,21 @@ class Harvester:
                 await asyncio.sleep(max(wait, backoff))
         raise AssertionError("unreachable")
 
-    def _empty(self) -> dict[str, np.ndarray]:
-        return {h: np.empty((0, self.info.d_model), DTYPES[self.options.dtype]) for h in self.options.hooks}
 
 
 def line_rows(item: InputLine, result: GenerateResult, options: CaptureOptions, d_model: int) -> LineRows:
-    """A result as rows of the shard, checked against what was asked for."""
-    reduced = options.reduce == "mean"
-    arrays = {}
-    for hook in options.hooks:
-        if hook not in result.activations:
-            raise LineFailed(f"input line {item.line + 1}: the result has no {hook!r} (got {sorted(result.activations)})")
-        array = result.activations[hook]
-        array = array.reshape(1, -1) if reduced else array
-        if array.dtype != DTYPES[options.dtype] or array.ndim != 2 or array.shape[1] != d_model:
-            raise LineFailed(f"input line {item.line + 1}: {hook} came back {array.dtype} {list(array.shape)}, "
-                             f"expected {options.dtype} [rows, {d_model}]")
-        arrays[hook] = array
-    rows = 1 if reduced else len(result.positions)
-    if any(a.shape[0] != rows for a in arrays.values()):
-        raise LineFailed(f"input line {item.line + 1}: {rows} positions but arrays of {[a.shape[0] for a in arrays.values()]} rows")
-    record: dict[str, Any] = {"prompt_token_ids": result.prompt_token_ids, "positions": result.positions, "replica": result.replica}
-    if options.max_tokens > 0:
-        record.update(token_ids=result.token_ids, text=result.text)
-    if item.id is not None:
-        record["id"] = item.id
-    positions = [-1] if reduced else result.positions
-    tokens = [-1] if reduced else result.capture_token_ids
-    return LineRows(item.line, arrays, positions, tokens, record)
+    """A result as rows of the shard, checked against what was asked for (the same code the
+    replica-side sink runs)."""
+    try:
+        return rows_of(item.line, item.id, result, options.row_spec(), d_model)
+    except RowsMismatch as exc:
+        raise LineFailed(str(exc)) from None
 
 
-def check_hooks(options: CaptureOptions, info: ModelInfo) -> None:
-    for hook in options.hooks:
-        resolve_hook(hook, info.n_layers)  # a layer past the model fails before any request
-
-
-def _first(group: BaseExceptionGroup) -> BaseException:
+def first_error(group: BaseExceptionGroup) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
-            return _first(exc)
+            return first_error(exc)
         if not isinstance(exc, asyncio.CancelledError):
             return exc
     return group.exceptions[0]
-
-
-async def run_capture(
-    source: Path, out: Path, options: CaptureOptions, backend: Backend, progress: bool = True
-) -> Summary:
-    """Capture every line of `source` into `out` (resuming what is there); the CLI's core."""
-    info = await backend.info()
-    check_hooks(options, info)
-    n_lines = count_lines(source)
-    lock = lock_folder(out)
-    try:
-        manifest = open_folder(out, options, info, fingerprint(source), n_lines, backend.description)
-        bar = Progress(n_lines, progress)
-        harvester = Harvester(out, options, info, backend, bar)
-        try:
-            lines = read_input(source, options.input_format, skip=harvester.already_done)  # type: ignore[arg-type]
-            summary = await harvester.run(lines)
-        finally:
-            bar.close()
-        summary.complete = finish_manifest(out, manifest, summary.lines)
-    finally:
-        lock.close()
-    return summary

@@ -40,113 +40,21 @@ from typing import Any
 import numpy as np
 
 from replicas.arrays import DTYPES
+from replicas.shard_files import (  # noqa: F401  (the writing half, re-exported: one format module to import)
+    _ST_DTYPES,
+    FORMAT,
+    INDEX_TENSORS,
+    LineRows,
+    shard_name,
+    write_json,
+    write_safetensors,
+    write_shard,
+)
 
-FORMAT = "capserve-capture/1"
 MANIFEST = "manifest.json"
-INDEX_TENSORS = ("capserve.line", "capserve.position", "capserve.token_id")
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32"}
 _NP_DTYPES = {code: DTYPES[name] for name, code in _ST_DTYPES.items()}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 _OPEN_SHARDS = 64  # each open map holds a file descriptor; keep well under `ulimit -n`
-
-
-def shard_name(k: int) -> str:
-    return f"shard-{k:06d}"
-
-
-# ---------------------------------------------------------------- writing
-
-
-@dataclass
-class LineRows:
-    """What one input line contributed to a shard: its rows per hook, and its index record."""
-
-    line: int
-    arrays: dict[str, np.ndarray]  # hook -> [rows, d_model]
-    positions: list[int]  # per row; -1 when reduced
-    token_ids: list[int]  # per row; -1 when reduced
-    record: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rows(self) -> int:
-        return len(self.positions)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
-
-def write_shard(folder: Path, k: int, lines: list[LineRows], hooks: list[str], dtype: str, d_model: int) -> int:
-    """Write shard k atomically (index first, tensors last: the tensors file is the commit).
-    Returns the bytes written."""
-    lines = sorted(lines, key=lambda item: item.line)
-    starts = np.cumsum([0] + [item.rows for item in lines])
-    records = [{"line": item.line, "row": int(start), "rows": item.rows, **item.record} for item, start in zip(lines, starts)]
-    index_text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
-    index_path = folder / f"{shard_name(k)}.jsonl"
-    _atomic_write(index_path, lambda f: f.write(index_text.encode()))
-    tensors = _shard_tensors(lines, hooks, dtype, d_model)
-    size = _atomic_write(folder / f"{shard_name(k)}.safetensors", lambda f: write_safetensors(f, tensors, {"format": FORMAT}))
-    _fsync_dir(folder)
-    return size + len(index_text)
-
-
-def _shard_tensors(lines: list[LineRows], hooks: list[str], dtype: str, d_model: int) -> list[tuple[str, str, list[int], list[np.ndarray]]]:
-    """(name, dtype, shape, chunks) per tensor; chunks are the lines' own arrays, never concatenated."""
-    rows = sum(item.rows for item in lines)
-    tensors = [(hook, dtype, [rows, d_model], [item.arrays[hook] for item in lines if item.rows]) for hook in hooks]
-    columns = {
-        "capserve.line": [np.full(item.rows, item.line, np.int64) for item in lines],
-        "capserve.position": [np.asarray(item.positions, np.int64) for item in lines],
-        "capserve.token_id": [np.asarray(item.token_ids, np.int64) for item in lines],
-    }
-    return tensors + [(name, "int64", [rows], chunks) for name, chunks in columns.items()]
-
-
-def write_safetensors(f: Any, tensors: list[tuple[str, str, list[int], list[np.ndarray]]], metadata: dict[str, str]) -> int:
-    """Stream tensors, each given as row chunks in order, into an open binary file."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape, chunks in tensors:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-        got = sum(c.nbytes for c in chunks)
-        if got != nbytes:
-            raise ValueError(f"tensor {name!r}: chunks hold {got} bytes, shape {shape} {dtype} needs {nbytes}")
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, so every map is aligned
-    f.write(struct.pack("<Q", len(raw)) + raw)
-    for name, dtype, _, chunks in tensors:
-        for chunk in chunks:
-            if chunk.dtype != DTYPES[dtype]:
-                raise TypeError(f"tensor {name!r}: a chunk has dtype {chunk.dtype}, the shard stores {dtype}")
-            f.write(np.ascontiguousarray(chunk).view(np.uint8).data)  # bf16 has no buffer format; bytes do
-    return 8 + len(raw) + offset
-
-
-def _atomic_write(path: Path, write: Any) -> int:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name says the shard exists
-        size = f.tell()
-    os.replace(temp, path)
-    return size
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the renames themselves survive a power loss
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    _atomic_write(path, lambda f: f.write((json.dumps(value, indent=2) + "\n").encode()))
-    _fsync_dir(path.parent)
 
 
 def remove_temporaries(folder: Path) -> int:

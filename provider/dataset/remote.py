@@ -1,0 +1,128 @@
+"""Replica-side sinks, the driver's half: send each shard's lines to the app, collect its index.
+
+With `--sink replica` the replicas write the shards (`replicas.sink`, `Router.capture_shard`):
+this process reads the input, groups its lines by shard (shard k: lines [k*S, (k+1)*S), as on
+the driver path), sends each unfinished shard as one `ShardJob`, and keeps only the
+`ShardIndex` it gets back. Rows never come here. Resume, the manifest and `load_capture` are
+the driver path's: a shard is finished when its .safetensors file exists, whoever wrote it.
+
+At most `shards_in_flight` jobs run at once (auto: enough for `concurrency` lines, and at least
+two per replica the app has). A job that fails on its way (the queue full, no replica, a lost
+connection) is sent again with jittered backoff, at most `retries` times; a replica that dies
+mid-shard is retried by the Router, and since a shard is published atomically a retry never
+leaves half of one. `choose_sink` decides between this and the driver-side writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from provider.dataset.backends import Backend, ShardBackend
+from provider.dataset.harvest import MAX_BACKOFF_S, Progress, Summary, first_error
+from provider.dataset.input import InputLine
+from provider.dataset.options import CaptureOptions, LineFailed, SinkUnreachable
+from provider.dataset.shards import finished_shards
+from replicas.api import ModelInfo
+from replicas.errors import InvalidRequestError
+from replicas.sink import JobLine, ShardIndex, ShardJob
+
+
+def choose_sink(options: CaptureOptions, out: Path, backend: Backend) -> str:
+    """"replica" or "driver". auto: replica-side when the backend can reach the replicas' method
+    (the Serve handle) and every node of the cluster is this one, so `out` is theirs too."""
+    if options.sink == "driver":
+        return "driver"
+    reachable = isinstance(backend, ShardBackend) and backend.shares_folder(out)
+    if options.sink == "replica" and not reachable:
+        raise SinkUnreachable(f"--sink replica: the replicas cannot write to {out} (they need the Serve handle and this node); "
+                         "use --sink driver or auto")
+    return "replica" if reachable else "driver"
+
+
+def shards_of(lines: Iterator[InputLine], shard_lines: int) -> Iterator[tuple[int, list[InputLine]]]:
+    """Consecutive lines grouped by shard number, in order."""
+    for k, group in itertools.groupby(lines, key=lambda item: item.line // shard_lines):
+        yield k, list(group)
+
+
+class ShardSender:
+    """One run over one input, each unfinished shard captured and written by a replica."""
+
+    def __init__(self, out: Path, options: CaptureOptions, info: ModelInfo, backend: ShardBackend, progress: Progress,
+                 replicas: int) -> None:
+        self.out, self.options, self.info, self.backend, self.progress = out.resolve(), options, info, backend, progress
+        self.summary = Summary()
+        self.done = finished_shards(out)
+        self.summary.shards_done_before = len(self.done)
+        wanted = options.shards_in_flight or max(2 * replicas, math.ceil(options.concurrency / options.shard_lines))
+        self._slots = asyncio.Semaphore(wanted)
+
+    def already_done(self, line: int) -> bool:
+        return line // self.options.shard_lines in self.done
+
+    async def run(self, lines: Iterator[InputLine]) -> Summary:
+        started = time.monotonic()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for k, group in shards_of(lines, self.options.shard_lines):
+                    if self._count(k, group):
+                        await self._slots.acquire()
+                        tasks.create_task(self._shard(k, group))
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        finally:
+            self.summary.elapsed_s = time.monotonic() - started
+        return self.summary
+
+    def _count(self, k: int, group: list[InputLine]) -> bool:
+        """Count the group's lines; True when its shard is still to capture."""
+        self.summary.lines += len(group)
+        if k in self.done:
+            self.summary.lines_done_before += len(group)
+            self.progress.update(len(group), self.summary)
+            return False
+        return True
+
+    async def _shard(self, k: int, group: list[InputLine]) -> None:
+        try:
+            index = await self._with_retries(self._job(k, group))
+        finally:
+            self._slots.release()
+        blank = sum(1 for item in group if item.prompt is None)
+        self.summary.blank += blank
+        self.summary.captured += index.captured
+        self.summary.invalid += index.invalid
+        self.summary.rows += index.rows
+        self.summary.bytes_written += index.bytes_written
+        self.summary.shards_written += 1
+        self.summary.replicas.update(index.replicas)
+        self.done.add(k)
+        self.progress.update(len(group), self.summary)
+
+    def _job(self, k: int, group: list[InputLine]) -> ShardJob:
+        lines = [JobLine(line=item.line, id=item.id, request=self.options.engine_request(item.prompt))
+                 for item in group if item.prompt is not None]
+        return ShardJob(folder=str(self.out), shard=k, spec=self.options.row_spec(), d_model=self.info.d_model, lines=lines,
+                        concurrency=min(self.options.concurrency, max(len(lines), 1)), skip_invalid=self.options.skip_invalid)
+
+    async def _with_retries(self, job: ShardJob) -> ShardIndex:
+        for attempt in itertools.count():
+            try:
+                return ShardIndex.model_validate(await self.backend.run_shard(job.model_dump()))
+            except InvalidRequestError as exc:  # a bad line (named) or a folder the replica cannot write
+                raise LineFailed(f"shard {job.shard}: {exc} (fix the line, pass --skip-invalid, or use --sink driver)") from None
+            except Exception as exc:
+                wait = self.backend.retry_delay(exc)
+                if wait is None:
+                    raise LineFailed(f"shard {job.shard}: {exc!r}") from exc
+                if attempt >= self.options.retries:
+                    raise LineFailed(f"shard {job.shard}: failed {attempt + 1} times; last error: {exc!r}") from exc
+                self.summary.retries += 1
+                await asyncio.sleep(max(wait, min(0.25 * 2**attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)))
+        raise AssertionError("unreachable")

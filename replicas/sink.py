@@ -1,0 +1,208 @@
+"""Replica-side sinks: an EngineReplica captures a batch of input lines and writes their shard.
+
+`capserve capture --sink replica` sends each shard's lines to the Router's `capture_shard`; one
+replica runs them (concurrently, so the engine batches them), turns each result into rows, and
+publishes the shard itself (`replicas.shard_files`: safetensors, atomic publish). Only the
+`ShardIndex` (counts, no arrays) goes back. The bulk bytes never cross Ray's object store.
+
+- Folder: a `ShardJob.folder` is a URL. Local folders (a plain absolute path or `file://`) work
+  now; another scheme is refused with `InvalidRequestError` naming it. `sink_folder` is the one
+  place that turns a URL into somewhere to write, so an fsspec filesystem can be added there.
+- Bounded writers: shards go to disk on `ShardSink`'s own threads (`threads`), never on the
+  replica's event loop, so requests keep flowing while a shard is written.
+- Backpressure: a job holds one of `max_unwritten` slots from its first request until its shard
+  is on disk, so a replica never holds rows of more than `max_unwritten` shards. When all are
+  taken, policy "wait" queues the job (the Router's ledger still counts it, so new work goes to
+  other replicas); policy "refuse" answers `BackPressureError` at once (the driver retries later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from replicas.api import GenerateResult
+from replicas.arrays import DTYPES
+from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError
+from replicas.shard_files import LineRows, write_shard
+
+Generate = Callable[[dict[str, Any]], Awaitable[GenerateResult]]
+SinkPolicy = Literal["wait", "refuse"]
+
+
+class RowSpec(BaseModel):
+    """How a result becomes rows: what was asked for (checked against what came back)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hooks: list[str] = Field(min_length=1)
+    reduce: Literal["none", "mean"] = "none"
+    dtype: str = "float32"
+    generated: bool = False  # max_tokens > 0: keep token_ids and text in the index record
+
+
+class JobLine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    line: int = Field(ge=0)  # 0-based input line
+    id: Any = None
+    request: dict[str, Any]  # a GenerateRequest as a dict: what the replica runs
+
+
+class ShardJob(BaseModel):
+    """One shard's lines, sent to `Router.capture_shard` / `EngineReplica.capture_shard`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    folder: str = Field(description="Where the shard goes: an absolute local path or a file:// URL.")
+    shard: int = Field(ge=0)
+    spec: RowSpec
+    d_model: int = Field(gt=0)
+    lines: list[JobLine]
+    concurrency: int = Field(64, ge=1, description="Lines of this job running on the engine at once.")
+    skip_invalid: bool = False
+
+
+def shard_job(job: ShardJob | dict[str, Any]) -> ShardJob:
+    """A job from a handle caller: a malformed one is the caller's error, named by its field."""
+    if isinstance(job, ShardJob):
+        return job
+    try:
+        return ShardJob.model_validate(job)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidRequestError(f"job.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+class ShardIndex(BaseModel):
+    """What a replica sends back for a written shard: counts only."""
+
+    shard: int
+    captured: int = 0
+    invalid: int = 0
+    rows: int = 0
+    bytes_written: int = 0
+    replicas: dict[str, int] = Field(default_factory=dict)
+
+
+class RowsMismatch(ValueError):
+    """A result that does not have the rows its request asked for; names the input line."""
+
+
+# ---------------------------------------------------------------- rows
+
+
+def rows_of(line: int, line_id: Any, result: GenerateResult, spec: RowSpec, d_model: int) -> LineRows:
+    """A result as rows of its shard, checked against what was asked for."""
+    reduced = spec.reduce == "mean"
+    arrays = {}
+    for hook in spec.hooks:
+        if hook not in result.activations:
+            raise RowsMismatch(f"input line {line + 1}: the result has no {hook!r} (got {sorted(result.activations)})")
+        array = result.activations[hook]
+        array = array.reshape(1, -1) if reduced else array
+        if array.dtype != DTYPES[spec.dtype] or array.ndim != 2 or array.shape[1] != d_model:
+            raise RowsMismatch(f"input line {line + 1}: {hook} came back {array.dtype} {list(array.shape)}, "
+                               f"expected {spec.dtype} [rows, {d_model}]")
+        arrays[hook] = array
+    rows = 1 if reduced else len(result.positions)
+    if any(a.shape[0] != rows for a in arrays.values()):
+        raise RowsMismatch(f"input line {line + 1}: {rows} positions but arrays of {[a.shape[0] for a in arrays.values()]} rows")
+    record: dict[str, Any] = {"prompt_token_ids": result.prompt_token_ids, "positions": result.positions, "replica": result.replica}
+    if spec.generated:
+        record.update(token_ids=result.token_ids, text=result.text)
+    if line_id is not None:
+        record["id"] = line_id
+    positions = [-1] if reduced else result.positions
+    tokens = [-1] if reduced else result.capture_token_ids
+    return LineRows(line, arrays, positions, tokens, record)
+
+
+def empty_rows(line: int, spec: RowSpec, d_model: int, error: str) -> LineRows:
+    """An invalid line skipped on request: no rows, its error in the index."""
+    arrays = {h: np.empty((0, d_model), DTYPES[spec.dtype]) for h in spec.hooks}
+    return LineRows(line, arrays, [], [], {"error": error})
+
+
+# ---------------------------------------------------------------- the sink
+
+
+def sink_folder(url: str) -> Path:
+    """The local folder a job's URL names; the one place other filesystems would plug in."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme != "file":
+        raise InvalidRequestError(f"folder: {scheme}:// sinks are not supported yet (only local folders); use --sink driver")
+    path = Path(rest if sep else url)
+    if not path.is_absolute():
+        raise InvalidRequestError(f"folder: {url!r} must be absolute: the replica's working directory is not the caller's")
+    if not path.is_dir():
+        raise InvalidRequestError(f"folder: {path} does not exist on this replica's node; use --sink driver")
+    return path
+
+
+class ShardSink:
+    """Bounded writer threads and the backpressure slots of one replica."""
+
+    def __init__(self, threads: int = 2, max_unwritten: int = 2, policy: SinkPolicy = "wait") -> None:
+        self._threads = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="capserve-sink")
+        self._max_unwritten = max(max_unwritten, 1)
+        self._policy = policy
+        self._slots: asyncio.Semaphore | None = None  # made on the replica's loop, at first use
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._max_unwritten)
+        if self._policy == "refuse" and self._slots.locked():
+            raise BackPressureError(f"this replica already holds {self._max_unwritten} unwritten shards; retry later")
+        async with self._slots:
+            yield
+
+    async def write(self, folder: Path, job: ShardJob, lines: list[LineRows]) -> int:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._threads, write_shard, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model
+        )
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+async def run_shard(job: ShardJob, generate: Generate, sink: ShardSink) -> ShardIndex:
+    """Capture every line of `job` with `generate`, write the shard, return its index."""
+    folder = sink_folder(job.folder)
+    async with sink.slot():
+        limit = asyncio.Semaphore(job.concurrency)
+
+        async def one(item: JobLine) -> tuple[LineRows, str | None]:
+            async with limit:
+                return await _line(item, job, generate)
+
+        done = await asyncio.gather(*(one(item) for item in job.lines))
+        lines = [rows for rows, _ in done]
+        size = await sink.write(folder, job, lines)
+    replicas = Counter(replica for _, replica in done if replica is not None)
+    invalid = sum(1 for rows, _ in done if "error" in rows.record)
+    return ShardIndex(shard=job.shard, captured=len(lines) - invalid, invalid=invalid, rows=sum(r.rows for r in lines),
+                      bytes_written=size, replicas=dict(replicas))
+
+
+async def _line(item: JobLine, job: ShardJob, generate: Generate) -> tuple[LineRows, str | None]:
+    try:
+        result = await generate(item.request)
+    except InvalidRequestError as exc:
+        if not job.skip_invalid:
+            raise InvalidRequestError(f"input line {item.line + 1}: {exc}") from None
+        return empty_rows(item.line, job.spec, job.d_model, str(exc)), None
+    try:
+        return rows_of(item.line, item.id, result, job.spec, job.d_model), result.replica or "unknown"
+    except RowsMismatch as exc:
+        raise CaptureFailedError(str(exc)) from None
