@@ -155,7 +155,7 @@ async def measure(submit: Submit, plan: Plan, requests: int, rounds: int) -> dic
 async def via_engine(model: str, args: argparse.Namespace, plan: Plan, requests: int) -> dict[str, Any]:
     from replicas.engine import CaptureEngine, EngineConfig
 
-    config = EngineConfig(model=model, max_capture_bytes=plan.capture_cap,
+    config = EngineConfig(model=model, max_capture_bytes=plan.capture_cap, arena_reserve_bytes=requests * plan.bytes_per_request,
                           **dummy_engine_options(args.config, ["resid_post"]))
     started = time.perf_counter()
     engine = await CaptureEngine.start(config)
@@ -175,7 +175,7 @@ def via_serve(model: str, args: argparse.Namespace, plan: Plan, requests: int) -
     from deploy.app import build_app
 
     app = {"model": model, "device": args.device, "num_replicas": 1, "max_capture_bytes": plan.capture_cap,
-           "replica_max_ongoing_requests": max(512, 2 * requests), "engine": dummy_engine_options(args.config, ["resid_post"]),
+           "replica_max_ongoing_requests": max(512, 2 * requests), "engine": dummy_engine_options(args.config, ["resid_post"]) | {"arena_reserve_bytes": requests * plan.bytes_per_request},
            "drain_timeout_s": 10.0, "health_check_timeout_s": 60.0}
     started = time.perf_counter()
     start_serve(num_cpus=4 if args.device == "cpu" else None)

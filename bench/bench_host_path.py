@@ -6,9 +6,9 @@ filing and reading code on steps of the benchmark workload's shape, so it runs a
     python -m bench.bench_host_path --requests 64        # the GPU bandwidth batch (needs ~20 GB)
 
 Three ways over the same steps, alternating in each round, so they compare within one run:
-- `arena`: what the worker does now: rows of large captures scattered into reused blocks of
-  shared-memory files (`replicas.arena`), the replica copying each capture out and handing the
-  blocks back;
+- `arena`: what the worker does now: rows of large captures written into reused blocks of
+  shared-memory files (`replicas.arena_writer`, here from CPU tensors as on the CPU engine; on a
+  GPU the device writes them), the replica copying each capture out and handing the blocks back;
 - `files`: the design before it: rows filed into fresh per-request arrays, written to a fresh
   shared-memory file when the request finishes, read back (and the file deleted) by the replica;
 - `memcpy`: one copy of the same bytes into memory written before: the floor of any host path.
@@ -33,8 +33,8 @@ import torch
 from bench.common import write_result
 from replicas import arrays
 from replicas.api import GenerateRequest
-from replicas.arena import ArenaLayout, ArenaReader, BlockTable, HostArena, stored_in
-from replicas.outbox import RequestBuffers, StepRows
+from replicas.arena import ArenaReader, stored_in
+from replicas.outbox import Outbox, RequestBuffers, StepRows
 from replicas.plans import RequestPlan, build_wire_plan
 
 WAYS = ("arena", "files", "memcpy")
@@ -86,8 +86,9 @@ def run_way(way: str, args: argparse.Namespace, schedule: list[list[tuple[int, i
             floor[done : done + n] = flat[:n]
             done += n
         return {"seconds": time.perf_counter() - started, "bytes": total}
-    arena = host["arena"] if way == "arena" else None
+    arena = host["outbox"].arena if way == "arena" else None
     layout = arena.layout if arena is not None else None
+    writer, table = host["outbox"].writer, host["outbox"].table
     buffers = [RequestBuffers.for_plan(request_plan(args, i), args.d_model, 16, layout) for i in range(args.requests)]
     for step in schedule:
         counts = np.array([n for _, n in step])
@@ -97,11 +98,16 @@ def run_way(way: str, args: argparse.Namespace, schedule: list[list[tuple[int, i
         for b, (_, n) in zip(members, step):
             b.n_rows += n
         gathered = source.view(-1)[: args.layers * int(counts.sum()) * args.d_model].view(args.layers, -1, args.d_model)
-        StepRows("rows", gathered, None, members, offsets, counts, dests).file(arena, host["table"])
+        if arena is not None:
+            index = torch.from_numpy(writer.destinations(members, counts, dests, args.layers)).reshape(-1)
+            writer.write(gathered, index, None)
+        else:
+            StepRows("rows", gathered, None, members, offsets, counts, dests).file()
     delivered = 0
     for i, b in enumerate(buffers):
         spill = None if arena is not None else (lambda name, i=i: f"{host['dir']}/r{i}-{name}.bin")
-        result = b.finish(spill, arena, host["table"])
+        table_row = table.remove(b.table_slot) if b.table_slot >= 0 else np.empty(0, np.int64)
+        result = b.finish(spill, layout, table_row)
         assert result["error"] is None, result["error"]
         for raw in result["activations"].values():
             array = host["reader"].read(raw) if "blocks" in raw else arrays.from_file(raw)
@@ -139,8 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     directory = tempfile.mkdtemp(prefix="capserve-bench-", dir="/dev/shm")
     rows = args.prompt_len + args.max_tokens - 1
     host = {
-        "dir": directory, "table": BlockTable(), "reader": ArenaReader(),
-        "arena": HostArena(ArenaLayout.for_model(directory, args.d_model)),
+        "dir": directory, "reader": ArenaReader(), "outbox": Outbox(directory, args.d_model),
         "floor": np.ones(args.requests * args.layers * rows * args.d_model, np.int16),
     }
     print(f"{args.requests} requests x {rows} rows x {args.layers} hooks x {args.d_model} bf16 = "

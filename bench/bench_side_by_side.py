@@ -111,6 +111,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     plain = await start_plain(model, settings)
     engines, cases = {}, {}
     for name, (fields, deployment_cases) in deployments(n_layers, sae).items():
+        if name not in args.deployments:
+            continue
         engines[name] = await start_capserve(model, settings, fields)
         cases.update({f"{name}: {case}": (engines[name], extra) for case, extra in deployment_cases.items()})
     results: dict[str, Any] = {}
@@ -171,6 +173,7 @@ def main() -> None:
     parser.add_argument("--config", default="llama8b")
     parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--deployments", nargs="+", default=["z", "pattern"], choices=["z", "pattern"])
     parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines)")
     parser.add_argument("--sae", action="store_true", help="also arm a TopK SAE and measure encoding")
     parser.add_argument("--sae-features", type=int, default=16384)

@@ -3,12 +3,14 @@
 Fresh memory is what moving activations costs: the first write to a new shared-memory page ran
 at ~1.2 GB/s on the CI machine where a copy into pages written before ran at ~10 GB/s
 (`python -m bench.bench_host_path` compares the two designs). So the worker keeps its arena: the
-outbox thread scatters each step's rows of every large capture into blocks (one numpy scatter
-per step, whatever the number of requests), a finished capture is described by its block
+step loop writes each step's rows of every large capture straight from the device into their
+blocks (`replicas.arena_writer`: one kernel per step, whatever the number of requests; on a GPU
+the arena's chunks are registered with CUDA), a finished capture is described by its block
 numbers, the replica copies its rows out (`ArenaReader`) and hands the numbers back with its next
-`capserve_take`, and the blocks go to the next request. The arena reserves memory a chunk at a
-time when every block is in use (a full /dev/shm fails only the requests that needed the new
-chunk), gives all but one chunk back once it has stood empty for a while, and is deleted with
+`capserve_take`, and the blocks go to the next request. The arena reserves `reserve_bytes` at
+start-up, pages faulted in, and more a chunk at a time when every block is in use (a full
+/dev/shm fails only the requests that needed the new chunk); it gives what it grew back once it
+has stood empty for a while, and is deleted with
 the engine. It never grows past its limit (`EngineConfig.arena_max_bytes`, by default a fair
 share of the file system: `arena_limit_bytes`); the replica admits a request only once the
 blocks its capture may need fit beside those of the requests in flight (`ArenaBudget`), and
@@ -29,9 +31,8 @@ import os
 import shutil
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,8 +41,6 @@ from replicas.errors import ReplicaUnavailableError
 
 FLOAT32_ROWS_PER_BLOCK = 32
 CHUNK_BLOCKS = 256  # the arena grows by this many blocks: 128 MiB for a 4096-wide model
-COPY_THREADS = min(4, os.cpu_count() or 1)
-PARALLEL_COPY_BYTES = 16 << 20  # a step's rows are split into parts of at least this size
 # By default the arenas of all replicas on a node may take half of the file system, split evenly
 # between them (one replica per GPU, at least two shares): the other half stays for Ray's object
 # store and everything else that lives in /dev/shm.
@@ -105,14 +104,24 @@ class ArenaLayout:
         return self.block_bytes // row_bytes
 
 
+class HostPinning(Protocol):
+    """Registers arena memory with the device (`replicas.arena_writer.CudaHostMemory`)."""
+
+    def register(self, address: int, size: int) -> None: ...
+
+    def unregister(self, address: int, size: int) -> None: ...
+
+
 class HostArena:
     """The worker's side: hands out blocks and writes rows into them. Used by the outbox thread only.
 
     The file is as large as its file system from the start but sparse: the mapping never moves
     (one numpy view serves every write), and pages are reserved a chunk at a time."""
 
-    def __init__(self, layout: ArenaLayout, chunk_blocks: int = CHUNK_BLOCKS, max_bytes: int | None = None):
+    def __init__(self, layout: ArenaLayout, chunk_blocks: int = CHUNK_BLOCKS, max_bytes: int | None = None,
+                 reserve_bytes: int = 0, pin: HostPinning | None = None):
         self.layout = layout
+        self.pin = pin
         directory = os.path.dirname(layout.path)
         self.max_bytes = arena_limit_bytes(directory, max_bytes)
         self.chunk_blocks, self.max_chunks = arena_geometry(self.max_bytes, layout.block_bytes, chunk_blocks)
@@ -123,7 +132,14 @@ class HostArena:
         self.bytes = np.frombuffer(mmap.mmap(self.fd, size), np.uint8)
         self.chunks = 0
         self.free: list[int] = []
-        self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="capserve-arena")
+        # reserved now, so a first batch finds its pages faulted in (and registered) like a warm one
+        wanted = min(-(-reserve_bytes // self.chunk_bytes), self.max_chunks)
+        try:
+            while self.chunks < wanted:
+                self._grow()
+        except OSError:  # /dev/shm is fuller than the reserve: the rest comes as it is needed
+            pass
+        self.kept_chunks = self.chunks
 
     @property
     def reserved_bytes(self) -> int:
@@ -144,33 +160,23 @@ class HostArena:
     def release(self, blocks: list[int] | np.ndarray) -> None:
         self.free.extend(int(b) for b in blocks)
 
-    def write(self, blocks: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-        """rows[i] (a [n, row_bytes] uint8 array) into slot slots[i] of block blocks[i]; a large
-        step in parts on several threads (numpy lets go of the GIL while it copies)."""
-        row_bytes = rows.shape[1]
-        target = self.bytes.reshape(-1, row_bytes)
-        index = blocks * self.layout.rows_per_block(row_bytes) + slots
-        parts = min(COPY_THREADS, rows.nbytes // PARALLEL_COPY_BYTES)
-        if parts <= 1:
-            target[index] = rows
-            return
-        bounds = np.linspace(0, len(rows), parts + 1).astype(int).tolist()
-
-        def copy(lo: int, hi: int) -> None:
-            target[index[lo:hi]] = rows[lo:hi]
-
-        list(self._copiers.map(copy, bounds[:-1], bounds[1:]))
-
     def shrink(self) -> None:
-        """Give the memory of every chunk but the first back to the system; only while no block
-        is in use (none is written or waiting for the replica)."""
-        if self.blocks_in_use or self.chunks <= 1:
+        """Give the memory of the chunks beyond the reserved ones (at least one) back to the
+        system; only while no block is in use (none is written or waiting for the replica)."""
+        kept = max(self.kept_chunks, 1)
+        if self.blocks_in_use or self.chunks <= kept:
             return
+        if self.pin is not None:
+            for chunk in range(kept, self.chunks):
+                self.pin.unregister(self._address(chunk), self.chunk_bytes)
         total = self.max_chunks * self.chunk_bytes
-        os.ftruncate(self.fd, self.chunk_bytes)  # drops the pages beyond; the mapping stays valid
+        os.ftruncate(self.fd, kept * self.chunk_bytes)  # drops the pages beyond; the mapping stays valid
         os.ftruncate(self.fd, total)
-        self.free = list(range(self.chunk_blocks - 1, -1, -1))
-        self.chunks = 1
+        self.free = list(range(kept * self.chunk_blocks - 1, -1, -1))
+        self.chunks = kept
+
+    def _address(self, chunk: int) -> int:
+        return self.bytes.ctypes.data + chunk * self.chunk_bytes
 
     def _grow(self) -> None:
         if self.chunks == self.max_chunks:
@@ -181,7 +187,12 @@ class HostArena:
             )
         # reserve the pages now: a full /dev/shm is an OSError here, where a write through the
         # mapping would kill the engine core with SIGBUS
-        os.posix_fallocate(self.fd, self.chunks * self.chunk_bytes, self.chunk_bytes)
+        start = self.chunks * self.chunk_bytes
+        os.posix_fallocate(self.fd, start, self.chunk_bytes)
+        if self.pin is not None:  # registering faults the pages in
+            self.pin.register(self._address(self.chunks), self.chunk_bytes)
+        else:  # fault the pages in now rather than on the first write of each
+            self.bytes[start : start + self.chunk_bytes] = 0
         first = self.chunks * self.chunk_blocks
         self.free.extend(range(first + self.chunk_blocks - 1, first - 1, -1))
         self.chunks += 1

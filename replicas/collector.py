@@ -43,6 +43,13 @@ class Selection:
     dests: np.ndarray  # where request i's rows go in its buffer
     targets: tuple[list[int], int] | None = None  # SAE rows: (request i's SAE spec, k_max of the block)
 
+    def subset(self, keep: np.ndarray) -> Selection:
+        """The rows of the requests where keep is True."""
+        counts = self.counts[keep]
+        rows = self.rows[concatenated_ranges(self.offsets[keep], counts)]
+        requests = [entry for entry, kept in zip(self.requests, keep.tolist()) if kept]
+        return Selection(requests, rows, np.cumsum(counts) - counts, counts, self.dests[keep])
+
 
 class Collector:
     """Capture groups, and each step's gather of the rows they asked for."""
@@ -184,32 +191,66 @@ class Collector:
         return max(1, self.max_step_bytes // max(row_bytes, 1))
 
     def _hand_over_rows(self, group: int, selection: Selection) -> None:
-        """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean."""
+        """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean;
+        the rows of requests that file into the arena go straight there."""
         sites, dtype, reduce = self.group_sites[group]
-        rows = self._to_device(selection.rows)
         # a request's rows are as wide as its widest hook: narrower ones (attention heads) are padded
         width, itemsize = max(site.staging.shape[1] for site in sites), sites[0].staging.element_size()
-
-        def row_block(site: Site, lo: int, hi: int) -> torch.Tensor:
-            block = site.staging.index_select(0, rows[lo:hi])
-            return block if block.shape[1] == width else torch.nn.functional.pad(block, (0, width - block.shape[1]))
-
-        def picked(lo: int, hi: int) -> torch.Tensor:
-            return torch.stack([row_block(site, lo, hi) for site in sites])
-
         if reduce == "mean":
-            # per chunk: the index_selects, their stack and its float32 copy
-            step = self.rows_per_chunk(len(sites) * width * (2 * itemsize + 4))
-            segments = self._to_device(np.repeat(np.arange(len(selection.counts)), selection.counts))
-            summed = torch.zeros(len(sites), len(selection.counts), width, dtype=torch.float32, device=self.device)
-            for lo in range(0, len(rows), step):
-                summed.index_add_(1, segments[lo : lo + step], picked(lo, lo + step).float())
-            self._hand_over("rows", summed, selection)
+            self._hand_over_sums(sites, width, itemsize, selection)
             return
         out = TORCH_DTYPES[dtype]
-        row_bytes = len(sites) * width * (2 * itemsize + out.itemsize)
+        row_bytes = len(sites) * width * (2 * itemsize + out.itemsize)  # per row: the gather, its stack and cast
+        if self.outbox.writer is not None:
+            in_arena = np.fromiter((e.buffers.rows_per_block > 0 for e in selection.requests), bool, len(selection.requests))
+            if in_arena.any():
+                self._write_to_arena(selection.subset(in_arena), sites, width, out, row_bytes)
+                if in_arena.all():
+                    return
+                selection = selection.subset(~in_arena)
+        rows = self._to_device(selection.rows)
         self._hand_over_chunked("rows", selection, (len(sites), len(rows), width), out, row_bytes,
-                                lambda lo, hi: picked(lo, hi).to(out))
+                                lambda lo, hi: _stacked(sites, rows[lo:hi], width).to(out))
+
+    def _hand_over_sums(self, sites: list[Site], width: int, itemsize: int, selection: Selection) -> None:
+        rows = self._to_device(selection.rows)
+        # per chunk: the index_selects, their stack and its float32 copy
+        step = self.rows_per_chunk(len(sites) * width * (2 * itemsize + 4))
+        segments = self._to_device(np.repeat(np.arange(len(selection.counts)), selection.counts))
+        summed = torch.zeros(len(sites), len(selection.counts), width, dtype=torch.float32, device=self.device)
+        for lo in range(0, len(rows), step):
+            summed.index_add_(1, segments[lo : lo + step], _stacked(sites, rows[lo : lo + step], width).float())
+        self._hand_over("rows", summed, selection)
+
+    def _write_to_arena(self, selection: Selection, sites: list[Site], width: int, out: torch.dtype, row_bytes: int) -> None:
+        """Gather the rows on the device and write them into their arena blocks, `rows_per_chunk`
+        at a time; the outbox publishes no result of these requests before the write ends."""
+        writer = self.outbox.writer
+        buffers = [entry.buffers for entry in selection.requests]
+        live = np.fromiter((b.error is None for b in buffers), bool, len(buffers))
+        if not live.all():  # failed requests write nothing more
+            if not live.any():
+                return
+            selection = selection.subset(live)
+            buffers = [entry.buffers for entry in selection.requests]
+        try:
+            index = writer.destinations(buffers, selection.counts, selection.dests, len(sites))
+        except OSError as exc:  # shared memory full: these requests fail, the others go on
+            _fail_all(buffers, f"capture could not be stored in shared memory: {exc}")
+            return
+        except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
+            _fail_all(buffers, f"capture failed in the worker: {exc!r}")
+            return
+        rows, index = self._to_device(selection.rows), self._to_device(index)
+        step = self.rows_per_chunk(row_bytes)
+        for lo in range(0, len(rows), step):
+            block = _stacked(sites, rows[lo : lo + step], width).to(out)
+            writer.write(block, index[:, lo : lo + step].reshape(-1), self.copy_stream)
+        event = None
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self.outbox.put(StepRows("arena", None, event, buffers, selection.offsets, selection.counts, selection.dests))
 
     def _hand_over_logits(self, selection: Selection) -> None:
         """[1, rows, vocab] float32 logits of the final-normed rows."""
@@ -302,3 +343,14 @@ class Collector:
 
             self._hand_over_chunked("sae", selection, (1, len(selection.rows), width), torch.int32,
                                     row_bytes(sae, d_model), packed)
+
+
+def _stacked(sites: list[Site], rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[hooks, rows, width]: these rows of each site's staging buffer, narrower ones zero-padded."""
+    blocks = [site.staging.index_select(0, rows) for site in sites]
+    return torch.stack([b if b.shape[1] == width else torch.nn.functional.pad(b, (0, width - b.shape[1])) for b in blocks])
+
+
+def _fail_all(buffers: list, failure: str) -> None:
+    for b in buffers:
+        b.fail(failure)

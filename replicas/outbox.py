@@ -20,6 +20,7 @@ one at once (`Outbox.failure`), instead of hanging the engine core.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import sys
@@ -41,9 +42,12 @@ from replicas.arena import (
     describe,
     stored_in,
 )
+from replicas.arena_writer import ArenaWriter, CudaHostMemory
 from replicas.errors import OUTBOX_DEAD, OUTBOX_STUCK
 from replicas.plans import RequestPlan, captured_positions, concatenated_ranges
 from replicas.sae_specs import SaeRows
+
+logger = logging.getLogger(__name__)
 
 SPILL_BYTES = 64 << 10  # arrays at least this large go through a shared-memory file
 # While the outbox thread files rows, the step loop must get the GIL back soon after its forward
@@ -150,14 +154,12 @@ class RequestBuffers:
     def add_logits(self, data: np.ndarray, lo: int, n: int, dest: int) -> None:
         self.logits[dest : dest + n] = data[0, lo : lo + n]
 
-    def finish(self, spill_path: Any, arena: HostArena | None, table: BlockTable) -> dict[str, Any]:
-        """The wire form of the result: arena block numbers, or dtype, shape and bytes (no pickle),
-        or for large arrays a shared-memory file the replica reads and deletes. Rows are in
-        position order: chunks run in order and re-run rows were skipped by the step loop."""
-        table_row = table.remove(self.table_slot) if self.table_slot >= 0 else np.empty(0, np.int64)
+    def finish(self, spill_path: Any, layout: ArenaLayout | None, table_row: np.ndarray) -> dict[str, Any]:
+        """The wire form of the result: arena block numbers (its `table_row` of the block table),
+        or dtype, shape and bytes (no pickle), or for large arrays a shared-memory file the replica
+        reads and deletes. Rows are in position order: chunks run in order and re-run rows were
+        skipped by the step loop."""
         if self.error is not None:
-            if arena is not None:
-                arena.release(table_row[table_row >= 0])
             return self.error_result()
 
         def encode(name: str, array: np.ndarray) -> dict[str, Any]:
@@ -173,7 +175,7 @@ class RequestBuffers:
                 first = i * self.blocks_per_hook
                 used = -(-self.n_rows // self.rows_per_block)
                 hook_blocks = table_row[first : first + used]
-                activations[name] = describe(arena.layout, hook_blocks, dtype, (self.n_rows, d))
+                activations[name] = describe(layout, hook_blocks, dtype, (self.n_rows, d))
             elif self.rows_per_block:
                 activations[name] = encode(name, np.empty((0, d), arrays.DTYPES[dtype]))
             elif capture.reduce == "mean":
@@ -194,26 +196,32 @@ class RequestBuffers:
 @dataclass
 class StepRows:
     """One step's rows for one group of requests: `tensor` is [hooks, rows, d] on the host (its
-    copy done when `event` is); request i owns rows offsets[i]:offsets[i]+counts[i]."""
+    copy done when `event` is); request i owns rows offsets[i]:offsets[i]+counts[i]. For "arena"
+    it only marks where the step's write into the arena ends, which a result must wait for."""
 
-    kind: str  # "rows" or "logits"
-    tensor: torch.Tensor
-    event: Any  # torch.cuda.Event, or None when the tensor is ready
+    kind: str  # "rows", "logits", "sae", or "arena": rows the device wrote into arena blocks
+    tensor: torch.Tensor | None  # None for "arena"
+    event: Any  # torch.cuda.Event, or None when the tensor (or the arena write) is ready
     requests: list[RequestBuffers]
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
     targets: tuple[list[int], int] | None = None  # kind "sae": (request i's SAE spec, k_max of the block)
 
-    def file(self, arena: HostArena | None, table: BlockTable) -> None:
-        """Copy each request's rows into its buffer (the copy to host must be done): those of the
-        arena's requests all at once, the others request by request."""
+    @property
+    def nbytes(self) -> int:
+        """Host memory it holds until filed (rows the device wrote into the arena hold none)."""
+        return self.tensor.nbytes if self.tensor is not None else 0
+
+    def file(self) -> None:
+        """Copy each request's rows into its buffer (the copy to host must be done); rows of
+        kind "arena" are in their blocks already."""
+        if self.kind == "arena":
+            return
         data = _to_numpy(self.tensor)
-        if self.kind == "rows" and arena is not None:
-            self._file_in_arena(data, arena, table)
         members = zip(self.requests, self.offsets.tolist(), self.counts.tolist(), self.dests.tolist())
         for member, (buffers, lo, n, dest) in enumerate(members):
-            if buffers.error is not None or (self.kind == "rows" and buffers.rows_per_block):
+            if buffers.error is not None:
                 continue
             try:
                 if self.kind == "logits":
@@ -224,43 +232,6 @@ class StepRows:
                     buffers.add_rows(data, member, lo, n, dest)
             except Exception as exc:  # a bookkeeping bug must fail this request, not the worker
                 buffers.fail(f"capture failed in the worker: {exc!r}")
-
-    def _file_in_arena(self, data: np.ndarray, arena: HostArena, table: BlockTable) -> None:
-        """The rows of every arena request of the step: one block lookup, one scatter."""
-        picked = np.flatnonzero(np.fromiter((b.rows_per_block > 0 and b.error is None for b in self.requests), bool))
-        if not len(picked):
-            return
-        members = [self.requests[i] for i in picked.tolist()]
-        try:
-            self._scatter(data, picked, members, arena, table)
-        except OSError as exc:  # shared memory full: these requests fail, the others go on
-            failure = f"capture could not be stored in shared memory: {exc}"
-        except Exception as exc:  # a bookkeeping bug must fail these requests, not the worker
-            failure = f"capture failed in the worker: {exc!r}"
-        else:
-            return
-        for buffers in members:
-            buffers.fail(failure)
-
-    def _scatter(self, data: np.ndarray, picked: np.ndarray, members: list[RequestBuffers], arena: HostArena,
-                 table: BlockTable) -> None:
-        hooks = data.shape[0]
-        for buffers in members:
-            if buffers.table_slot < 0:
-                buffers.table_slot = table.add(hooks * buffers.blocks_per_hook)
-        counts = self.counts[picked]
-        member = np.repeat(np.arange(len(members)), counts)
-        row = concatenated_ranges(self.dests[picked], counts)  # within each request
-        per_block = members[0].rows_per_block  # one group: one dtype and width
-        slots = np.fromiter((b.table_slot for b in members), np.int64, len(members))[member]
-        per_hook = np.fromiter((b.blocks_per_hook for b in members), np.int64, len(members))[member]
-        entries = np.arange(hooks)[:, None] * per_hook + row // per_block
-        blocks = table.fill(arena, np.broadcast_to(slots, entries.shape), entries)
-        taken = concatenated_ranges(self.offsets[picked], counts)
-        rows = data.view(np.uint8)  # [hooks, step rows, row bytes]
-        if len(taken) != rows.shape[1]:
-            rows = rows[:, taken]
-        arena.write(blocks.reshape(-1), np.tile(row % per_block, hooks), rows.reshape(len(taken) * hooks, -1))
 
 
 class Outbox:
@@ -274,12 +245,17 @@ class Outbox:
         backlog_bytes: int = BACKLOG_BYTES,
         *,
         arena_max_bytes: int | None = None,
+        arena_reserve_bytes: int = 0,
         timeout_s: float = TIMEOUT_S,
+        device: torch.device = torch.device("cpu"),
     ):
         self.spill_dir = spill_dir  # large results go through shared memory
-        self.arena_layout = ArenaLayout.for_model(spill_dir, d_model) if spill_dir else None
-        self.arena = HostArena(self.arena_layout, max_bytes=arena_max_bytes) if self.arena_layout is not None else None
         self.table = BlockTable()
+        self.arena_lock = threading.Lock()  # the arena and its table: the step loop takes blocks, this thread gives them back
+        self.arena = self.writer = None
+        self.arena_layout = None
+        if spill_dir:
+            self._open_arena(ArenaLayout.for_model(spill_dir, d_model), arena_max_bytes, arena_reserve_bytes, device)
         self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers] | list[int]] = queue.SimpleQueue()
         self.busy_seconds = 0.0
         self.backlog_bytes = backlog_bytes
@@ -294,11 +270,28 @@ class Outbox:
         self._thread = threading.Thread(target=self._guarded_run, name="capserve-outbox", daemon=True)
         self._thread.start()
 
+    def _open_arena(self, layout: ArenaLayout, max_bytes: int | None, reserve_bytes: int, device: torch.device) -> None:
+        """The arena, registered with the device when it is a GPU that can write host memory;
+        otherwise the step loop copies a step's rows to the host before it writes them."""
+        pin = CudaHostMemory.load() if device.type == "cuda" else None
+        try:
+            arena = HostArena(layout, max_bytes=max_bytes, reserve_bytes=max(reserve_bytes, pin is not None), pin=pin)
+        except RuntimeError as exc:
+            if pin is None:
+                raise
+            logger.warning("capture rows take a copy through the host: %s", exc)
+            os.unlink(layout.path)
+            arena, pin = HostArena(layout, max_bytes=max_bytes, reserve_bytes=reserve_bytes), None
+        if pin is not None and not arena.chunks:  # /dev/shm is full: nothing to map the device view on
+            arena.pin = pin = None
+        self.arena, self.arena_layout = arena, layout
+        self.writer = ArenaWriter(arena, self.table, self.arena_lock, device if pin is not None else torch.device("cpu"))
+
     def put(self, rows: StepRows) -> None:
         """Queue a step's rows; while the rows not filed yet exceed the backlog the step loop
         waits here (the GPU running ahead would only pile up pinned host memory), at most
         `timeout_s`: then these rows are dropped and their requests fail, and the step loop goes on."""
-        size = rows.tensor.nbytes
+        size = rows.nbytes
         with self._filed:
             if self.failure is None and self._queued_bytes and self._queued_bytes + size > self.backlog_bytes:
                 began = time.perf_counter()
@@ -373,7 +366,8 @@ class Outbox:
                 item = self._work.get(timeout=IDLE_S)
             except queue.Empty:
                 if self.arena is not None:
-                    self.arena.shrink()
+                    with self.arena_lock:
+                        self.arena.shrink()
                 continue
             self._current = item
             if isinstance(item, StepRows) and item.event is not None:
@@ -382,7 +376,8 @@ class Outbox:
             if isinstance(item, StepRows):
                 self._file(item)
             elif isinstance(item, list):
-                self.arena.release(item)
+                with self.arena_lock:
+                    self.arena.release(item)
             else:
                 self._finish(*item)
             self._current = None
@@ -390,15 +385,19 @@ class Outbox:
 
     def _file(self, rows: StepRows) -> None:
         try:
-            rows.file(self.arena, self.table)
+            rows.file()
         finally:
             with self._filed:
-                self._queued_bytes -= rows.tensor.nbytes
+                self._queued_bytes -= rows.nbytes
                 self._filed.notify()
 
     def _finish(self, name: str, buffers: RequestBuffers) -> None:
+        with self.arena_lock:
+            table_row = self.table.remove(buffers.table_slot) if buffers.table_slot >= 0 else np.empty(0, np.int64)
+            if buffers.error is not None and self.arena is not None:
+                self.arena.release(table_row[table_row >= 0])
         try:
-            result = buffers.finish(self._spill_path(name), self.arena, self.table)
+            result = buffers.finish(self._spill_path(name), self.arena_layout, table_row)
         except Exception as exc:  # e.g. shared memory full
             result = {"error": f"capture could not be delivered: {exc!r}"}
         self._deliver(buffers, result)

@@ -57,7 +57,8 @@ class _CaptureState:
         )
         self.outbox = Outbox(
             options.get("spill_dir"), self.layout.d_model, arena_max_bytes=options.get("arena_max_bytes"),
-            timeout_s=float(options.get("outbox_timeout_s", OUTBOX_TIMEOUT_S)),
+            arena_reserve_bytes=int(options.get("arena_reserve_bytes") or 0),
+            timeout_s=float(options.get("outbox_timeout_s", OUTBOX_TIMEOUT_S)), device=self.device,
         )
         self.table = RequestTable()
         self.edits = EditTable(self.sites, site_options.edit_slots, self.device, site_options.max_set_edits)

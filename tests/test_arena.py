@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from replicas.api import GenerateRequest
-from replicas.arena import CHUNK_BLOCKS, ArenaLayout, ArenaReader, BlockTable, HostArena, stored_in
-from replicas.outbox import RequestBuffers, StepRows
+from replicas.arena import CHUNK_BLOCKS, ArenaLayout, ArenaReader, HostArena, stored_in
+from replicas.collector import Collector, Selection
+from replicas.outbox import Outbox, RequestBuffers, StepRows
 from replicas.plans import RequestPlan, build_wire_plan
 
 D_MODEL = 8  # float32 rows of 32 bytes; a block holds 32 float32 or 64 bfloat16 rows
@@ -33,14 +35,20 @@ def request_plan(prompt_len: int, max_tokens: int, positions="all", dtype="float
 
 
 class Host:
-    """An outbox without its thread: steps and results are filed in the calling thread."""
+    """The worker's host path without an engine or the outbox thread: a real collector writes each
+    step's rows (arena requests straight into their blocks, the others into request arrays), and
+    steps and results are filed in the calling thread."""
 
     def __init__(self, directory: str):
-        self.layout = ArenaLayout.for_model(directory, D_MODEL)
-        self.arena = HostArena(self.layout)
-        self.table = BlockTable()
+        self.outbox = Outbox(directory, D_MODEL)
+        self.layout, self.arena, self.table = self.outbox.arena_layout, self.outbox.arena, self.outbox.table
+        self.collector = Collector(None, {(None, "ln_final"): None}, 16, torch.device("cpu"), self)
+        self.writer = self.outbox.writer
         self.reader = ArenaReader()
         self.sent: dict[int, list[np.ndarray]] = {}  # id(buffers) -> rows handed over, per step
+
+    def put(self, rows: StepRows) -> None:  # the collector's outbox
+        rows.file()
 
     def buffers(self, plan: RequestPlan) -> RequestBuffers:
         return RequestBuffers.for_plan(plan, D_MODEL, vocab=16, arena=self.layout)
@@ -54,12 +62,22 @@ class Host:
         for (buffers, n), lo in zip(members, np.cumsum(counts) - counts):
             buffers.n_rows += n
             self.sent.setdefault(id(buffers), []).append(data[:, lo : lo + n].float().numpy())
-        rows = StepRows("rows", data, None, [b for b, _ in members], np.cumsum(counts) - counts, counts, dests)
-        rows.file(self.arena, self.table)
+        sites = [SimpleNamespace(staging=data[i]) for i in range(len(HOOKS))]
+        self.collector.group_sites = [(sites, {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], "none")]
+        entries = [SimpleNamespace(buffers=b) for b, _ in members]
+        selection = Selection(entries, np.arange(int(counts.sum())), np.cumsum(counts) - counts, counts, dests)
+        self.collector._hand_over_rows(0, selection)
+
+    def finish(self, buffers: RequestBuffers) -> dict:
+        """What the outbox thread does when a request ends."""
+        table_row = self.table.remove(buffers.table_slot) if buffers.table_slot >= 0 else np.empty(0, np.int64)
+        if buffers.error is not None:
+            self.arena.release(table_row[table_row >= 0])
+        return buffers.finish(None, self.layout, table_row)
 
     def result(self, buffers: RequestBuffers) -> dict[str, np.ndarray]:
         """What the replica reads, then hands back."""
-        result = buffers.finish(None, self.arena, self.table)
+        result = self.finish(buffers)
         assert result["error"] is None, result["error"]
         arrays = {name: self.reader.read(raw) if "blocks" in raw else raw for name, raw in result["activations"].items()}
         blocks, paths = stored_in(result)
@@ -133,7 +151,7 @@ def test_small_captures_keep_their_own_arrays_beside_arena_ones_in_one_step(host
     large = host.buffers(request_plan(prompt_len=100, max_tokens=1))
     host.step([(small, 20), (large, 100)], rng)
     assert small.sites is not None and small.rows_per_block == 0
-    result = small.finish(None, host.arena, host.table)
+    result = host.finish(small)
     np.testing.assert_array_equal(np.frombuffer(result["activations"][HOOKS[0]]["data"], np.float32).reshape(20, D_MODEL),
                                   host.expected(small)[0])
     np.testing.assert_array_equal(host.result(large)[HOOKS[0]], host.expected(large)[0])
@@ -163,20 +181,9 @@ def test_a_full_shared_memory_fails_only_the_requests_that_needed_more(host, mon
     assert all("arena is full" in b.error and "arena_max_bytes" in b.error for b in needy)
     assert small.error is None and holding.error is None
     for buffers in needy:  # their blocks go back
-        assert buffers.finish(None, host.arena, host.table)["error"].startswith("capture could not be stored")
+        assert host.finish(buffers)["error"].startswith("capture could not be stored")
     assert host.arena.blocks_in_use == held
     np.testing.assert_array_equal(host.result(holding)[HOOKS[0]], host.expected(holding)[0])
-
-
-def test_a_large_step_is_written_in_parts_to_the_same_rows(tmp_path, monkeypatch):
-    layout = ArenaLayout.for_model(str(tmp_path), 1024)  # float32 rows of 4 KiB, 32 per block
-    arena = HostArena(layout)
-    monkeypatch.setattr("replicas.arena.COPY_THREADS", 3)
-    rows = np.random.default_rng(5).integers(0, 255, (12288, 4096), np.uint8)  # 48 MiB: three parts
-    blocks = np.repeat(arena.allocate(384)[::-1], 32)
-    slots = np.tile(np.arange(32), 384)
-    arena.write(blocks, slots, rows)
-    np.testing.assert_array_equal(arena.bytes.reshape(-1, 4096)[blocks * 32 + slots], rows)
 
 
 def test_a_small_dev_shm_sends_results_through_the_temporary_folder(monkeypatch):
@@ -197,8 +204,6 @@ def test_the_step_loop_waits_while_the_backlog_of_unfiled_rows_is_full():
     """Rows whose copy has not finished (or not been filed) count against the backlog: a step
     that would overflow it waits for the outbox, one that fits, or the first, goes straight in."""
     import threading
-
-    from replicas.outbox import Outbox
 
     class SlowCopy:  # a CUDA event whose copy ends when the test says so
         def __init__(self):
@@ -286,8 +291,6 @@ def step_rows(buffers, copy, rows=10, first=0):
 
 def test_a_dead_outbox_thread_fails_the_requests_it_holds_and_every_later_one_at_once():
     from replicas.errors import OUTBOX_DEAD
-    from replicas.outbox import Outbox
-
     outbox = Outbox(None, D_MODEL)
     plan = request_plan(prompt_len=10, max_tokens=1)
     held, later = (RequestBuffers.for_plan(plan, D_MODEL, 16, None) for _ in range(2))
@@ -305,13 +308,14 @@ def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_pa
     """`take` gives up after the timeout; the outbox then frees the arena blocks of the result
     nobody will read."""
     from replicas.errors import OUTBOX_STUCK
-    from replicas.outbox import Outbox
-
     outbox = Outbox(str(tmp_path), D_MODEL, timeout_s=0.1)
     buffers = RequestBuffers.for_plan(request_plan(prompt_len=64, max_tokens=1), D_MODEL, 16, outbox.arena_layout)
     assert buffers.rows_per_block  # it files into the arena
-    copy = SlowCopy()
-    outbox.put(step_rows(buffers, copy, rows=64))
+    copy = SlowCopy()  # the device's write into the arena has not ended
+    rows, counts, dests = torch.ones(len(HOOKS), 64, D_MODEL), np.array([64]), np.array([0])
+    outbox.writer.write(rows, torch.from_numpy(outbox.writer.destinations([buffers], counts, dests, len(HOOKS))).reshape(-1), None)
+    buffers.n_rows = 64
+    outbox.put(StepRows("arena", None, copy, [buffers], np.array([0]), counts, dests))
     outbox.finish("stuck", buffers)
     result = buffers.wait(0.1)
     assert result["replica_fault"] == OUTBOX_STUCK and "outbox_timeout_s" in result["error"]
@@ -327,8 +331,6 @@ def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_pa
 
 def test_a_step_loop_waiting_for_backlog_room_gives_up_and_fails_those_rows():
     from replicas.errors import OUTBOX_STUCK
-    from replicas.outbox import Outbox
-
     outbox = Outbox(None, D_MODEL, backlog_bytes=2000, timeout_s=0.1)
     plan = request_plan(prompt_len=20, max_tokens=1)
     first, second = (RequestBuffers.for_plan(plan, D_MODEL, 16, None) for _ in range(2))
@@ -339,3 +341,45 @@ def test_a_step_loop_waiting_for_backlog_room_gives_up_and_fails_those_rows():
     assert not waiting.is_alive(), "the step loop waited for the outbox forever"
     assert second.replica_fault == OUTBOX_STUCK and "did not file earlier rows in time" in second.error
     assert first.error is None
+
+
+class RecordedPinning:
+    """Stands in for CUDA's host registration: which ranges are registered now."""
+
+    def __init__(self):
+        self.registered: set[tuple[int, int]] = set()
+
+    def register(self, address: int, size: int) -> None:
+        self.registered.add((address, size))
+
+    def unregister(self, address: int, size: int) -> None:
+        self.registered.remove((address, size))
+
+
+def test_the_reserve_is_faulted_in_and_registered_at_start_and_kept_when_idle(tmp_path):
+    """The first request finds its memory ready; growth past the reserve registers each chunk,
+    and an idle arena unregisters and gives back only what it grew."""
+    layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)  # 1 KiB blocks, 256 KiB chunks
+    pin = RecordedPinning()
+    arena = HostArena(layout, reserve_bytes=600 << 10, pin=pin)  # rounds up to 3 chunks
+    base = arena.bytes.ctypes.data
+    assert arena.chunks == arena.kept_chunks == 3 and shm_bytes_of(layout.path) == 3 * arena.chunk_bytes
+    assert pin.registered == {(base + i * arena.chunk_bytes, arena.chunk_bytes) for i in range(3)}
+    blocks = arena.allocate(4 * arena.chunk_blocks)  # one chunk more
+    assert arena.chunks == 4 and len(pin.registered) == 4
+    arena.release(blocks)
+    arena.shrink()
+    assert arena.chunks == 3 and len(pin.registered) == 3 and shm_bytes_of(layout.path) == 3 * arena.chunk_bytes
+    assert sorted(arena.free) == list(range(3 * arena.chunk_blocks))
+
+
+def test_a_reserve_larger_than_the_limit_takes_the_limit(tmp_path):
+    layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)
+    arena = HostArena(layout, max_bytes=512 << 10, reserve_bytes=1 << 30)
+    assert arena.chunks == arena.max_chunks == 2
+
+
+def test_rows_are_written_with_the_widest_integer_that_divides_them():
+    from replicas.arena_writer import element_type
+
+    assert [element_type(n) for n in (8192, 4100, 4098, 4097)] == [torch.int64, torch.int32, torch.int16, torch.uint8]

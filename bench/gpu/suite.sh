@@ -4,6 +4,7 @@
 # and write a JUnit report. Two parts, each inside one device call (10 minutes):
 #   bash bench/gpu/suite.sh OUTDIR archs   # the architecture matrix beyond Llama/Qwen2/GPT-2, fp16/bf16
 #   bash bench/gpu/suite.sh OUTDIR core    # everything else, the three archs' matrix rows included
+#   bash bench/gpu/suite.sh OUTDIR capture # the capture path and attention internals alone (Llama), ~5 min
 # Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,6 +16,9 @@ export VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$part" = archs ]; then
   tests=(tests/test_architectures.py tests/test_engine_precision.py -k "not llama and not qwen2 and not gpt2")
+elif [ "$part" = capture ]; then
+  tests=(tests/test_arena.py tests/test_engine_capture.py tests/test_attention.py tests/test_architectures.py
+         -k "not test_architectures or (llama and (attention or pattern or per_head))")
 else
   tests=(tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_engine_compiled.py tests/test_schemas.py
          tests/test_arena.py tests/test_engine_config.py tests/test_architectures.py -k "not test_architectures or llama or qwen2 or gpt2")

@@ -1,0 +1,129 @@
+"""The step loop's side of the arena: a step's captured rows go from the device straight into
+their arena blocks, with no copy on the host.
+
+On a GPU the arena's chunks are registered with CUDA as they are reserved, so one `index_copy_`
+kernel on the copy stream writes every row of a step into its block over PCIe; the outbox thread
+only waits for that kernel before it publishes a result. On the CPU engine the same `index_copy_`
+writes through a CPU view of the mapping. Before, rows went device -> pinned staging -> a numpy
+scatter on the outbox thread: a host copy at a few GB/s that capped bulk capture.
+
+Block numbers are handed out here, on the step loop, under the outbox's lock: the outbox thread
+still takes blocks back and forgets finished requests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from replicas.arena import BlockTable, HostArena
+from replicas.plans import concatenated_ranges
+
+logger = logging.getLogger(__name__)
+
+REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+class CudaHostMemory:
+    """cudaHostRegister through the runtime torch already loaded: pins and maps a range of the
+    arena for the device, and checks the device sees it at the host's address (UVA), which the
+    one device view of the whole arena relies on."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    @classmethod
+    def load(cls) -> CudaHostMemory | None:
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            try:
+                return cls(ctypes.CDLL(name))
+            except OSError:
+                continue
+        return None
+
+    def register(self, address: int, size: int) -> None:
+        code = self.lib.cudaHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(size), ctypes.c_uint(REGISTER_PORTABLE_MAPPED))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {size} bytes of the capture arena failed with CUDA error {code}")
+        device = ctypes.c_void_p()
+        code = self.lib.cudaHostGetDevicePointer(ctypes.byref(device), ctypes.c_void_p(address), ctypes.c_uint(0))
+        if code != 0 or device.value != address:
+            self.unregister(address, size)
+            raise RuntimeError(f"the device does not see the capture arena at its host address (CUDA error {code})")
+
+    def unregister(self, address: int, _size: int) -> None:
+        self.lib.cudaHostUnregister(ctypes.c_void_p(address))
+
+
+class _DeviceWindow:
+    """`__cuda_array_interface__` of registered host memory, so torch wraps it as a CUDA tensor."""
+
+    def __init__(self, address: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
+def element_type(row_bytes: int) -> torch.dtype:
+    """The widest integer type a row is made of: the kernel moves a row in as few stores as it can."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8
+
+
+class ArenaWriter:
+    """Writes a step's rows for the requests that file into the arena, on the device (`device`
+    is the CPU when the arena is not registered with the GPU: rows then come to the host first)."""
+
+    def __init__(self, arena: HostArena, table: BlockTable, lock: threading.Lock, device: torch.device):
+        self.arena = arena
+        self.table = table
+        self.lock = lock
+        self.device = device
+        address, size = arena.bytes.ctypes.data, arena.bytes.nbytes
+        if device.type == "cuda":
+            self.window = torch.as_tensor(_DeviceWindow(address, size), device=device)
+        else:
+            self.window = torch.from_numpy(arena.bytes)
+        self.bytes_written = 0
+
+    def destinations(self, buffers: list, counts: np.ndarray, dests: np.ndarray, hooks: int) -> np.ndarray:
+        """Each captured row's row number in the arena, [hooks, rows]: request i's counts[i] rows
+        go to its rows dests[i]...; blocks are taken as rows first reach them. Raises OSError when
+        the arena cannot grow (those requests fail)."""
+        member = np.repeat(np.arange(len(buffers)), counts)
+        row = concatenated_ranges(dests, counts)  # within each request
+        per_block = buffers[0].rows_per_block  # one group: one dtype and width
+        with self.lock:
+            for b in buffers:
+                if b.table_slot < 0:
+                    b.table_slot = self.table.add(hooks * b.blocks_per_hook)
+            slots = np.fromiter((b.table_slot for b in buffers), np.int64, len(buffers))[member]
+            per_hook = np.fromiter((b.blocks_per_hook for b in buffers), np.int64, len(buffers))[member]
+            entries = np.arange(hooks)[:, None] * per_hook + row // per_block
+            blocks = self.table.fill(self.arena, np.broadcast_to(slots, entries.shape), entries)
+        return blocks * per_block + row % per_block
+
+    def write(self, rows: torch.Tensor, index: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """rows [hooks, n, width] (contiguous) into arena rows index ([hooks * n], on the device),
+        on `stream` (a side stream on a GPU, so the next step does not wait for it); the caller
+        records the event the outbox waits for."""
+        if rows.device != self.window.device:
+            rows, index, stream = rows.cpu(), index.cpu(), None
+        row_bytes = rows.shape[-1] * rows.element_size()
+        kind = element_type(row_bytes)
+        usable = self.window.shape[0] // row_bytes * row_bytes
+        target = self.window[:usable].view(kind).view(-1, row_bytes // kind.itemsize)
+        source = rows.reshape(-1, rows.shape[-1]).view(kind)
+        if stream is None:
+            target.index_copy_(0, index, source)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                target.index_copy_(0, index, source)
+            rows.record_stream(stream)  # their memory is not reused before the kernel ends
+            index.record_stream(stream)
+        self.bytes_written += rows.numel() * rows.element_size()
