@@ -99,7 +99,7 @@ def run_way(way: str, args: argparse.Namespace, schedule: list[list[tuple[int, i
             b.n_rows += n
         gathered = source.view(-1)[: args.layers * int(counts.sum()) * args.d_model].view(args.layers, -1, args.d_model)
         if arena is not None:
-            index = torch.from_numpy(writer.destinations(members, counts, dests, args.layers)).reshape(-1)
+            index = writer.destinations(members, counts, dests, args.layers).index(torch.from_numpy).reshape(-1)
             writer.write(gathered, index, None)
         else:
             StepRows("rows", gathered, None, members, offsets, counts, dests).file()

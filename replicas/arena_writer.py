@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -74,6 +76,21 @@ def element_type(row_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
+@dataclass
+class Destinations:
+    """Row r of a step goes, for hook h, to slot[r] of block blocks[h, block[r]]."""
+
+    blocks: np.ndarray  # [hooks, blocks the step writes]
+    block: np.ndarray  # [rows]
+    slot: np.ndarray  # [rows]
+    per_block: int
+
+    def index(self, to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+        """[hooks, rows]: each row's row number in the arena, expanded where the rows are written."""
+        blocks, block_and_slot = to_device(self.blocks), to_device(np.stack([self.block, self.slot]))
+        return blocks[:, block_and_slot[0]] * self.per_block + block_and_slot[1]
+
+
 class ArenaWriter:
     """Writes a step's rows for the requests that file into the arena, on the device (`device`
     is the CPU when the arena is not registered with the GPU: rows then come to the host first)."""
@@ -90,22 +107,27 @@ class ArenaWriter:
             self.window = torch.from_numpy(arena.bytes)
         self.bytes_written = 0
 
-    def destinations(self, buffers: list, counts: np.ndarray, dests: np.ndarray, hooks: int) -> np.ndarray:
-        """Each captured row's row number in the arena, [hooks, rows]: request i's counts[i] rows
-        go to its rows dests[i]...; blocks are taken as rows first reach them. Raises OSError when
-        the arena cannot grow (those requests fail)."""
-        member = np.repeat(np.arange(len(buffers)), counts)
-        row = concatenated_ranges(dests, counts)  # within each request
+    def destinations(self, buffers: list, counts: np.ndarray, dests: np.ndarray, hooks: int) -> Destinations:
+        """Where each captured row goes: request i's counts[i] rows are its rows dests[i]...;
+        blocks are taken as rows first reach them. Raises OSError when the arena cannot grow
+        (those requests fail). Computed per block, not per row: a prefill step has thousands of
+        rows per hook but a handful of blocks per request."""
         per_block = buffers[0].rows_per_block  # one group: one dtype and width
+        first, last = dests // per_block, (dests + counts - 1) // per_block
+        n_blocks = last - first + 1
+        block_start = np.cumsum(n_blocks) - n_blocks  # where request i's blocks begin among the step's
+        owner = np.repeat(np.arange(len(buffers)), n_blocks)
         with self.lock:
             for b in buffers:
                 if b.table_slot < 0:
                     b.table_slot = self.table.add(hooks * b.blocks_per_hook)
-            slots = np.fromiter((b.table_slot for b in buffers), np.int64, len(buffers))[member]
-            per_hook = np.fromiter((b.blocks_per_hook for b in buffers), np.int64, len(buffers))[member]
-            entries = np.arange(hooks)[:, None] * per_hook + row // per_block
+            slots = np.fromiter((b.table_slot for b in buffers), np.int64, len(buffers))[owner]
+            per_hook = np.fromiter((b.blocks_per_hook for b in buffers), np.int64, len(buffers))[owner]
+            entries = np.arange(hooks)[:, None] * per_hook + concatenated_ranges(first, n_blocks)
             blocks = self.table.fill(self.arena, np.broadcast_to(slots, entries.shape), entries)
-        return blocks * per_block + row % per_block
+        member = np.repeat(np.arange(len(buffers)), counts)
+        row = concatenated_ranges(dests, counts)  # within each request
+        return Destinations(blocks, block_start[member] + row // per_block - first[member], row % per_block, per_block)
 
     def write(self, rows: torch.Tensor, index: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """rows [hooks, n, width] (contiguous) into arena rows index ([hooks * n], on the device),

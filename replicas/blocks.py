@@ -155,9 +155,9 @@ def _with_first(output: Any, value: torch.Tensor) -> Any:
 
 
 def _handed_over(edited: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, residual) that a fused add-and-norm turns into exactly `edited`. The edited
-    stream goes in as the residual: the GPU kernel writes its output over `hidden` in place, and
-    `edited` is still read afterwards (resid_mid is computed from it)."""
+    """(hidden, residual) that a fused add-and-norm turns into exactly `edited`. The fused op
+    works in place: vLLM's compiler donates both inputs to it, so a tensor handed over here must
+    not be read afterwards (the caller hands over a copy of one it still needs)."""
     return torch.zeros_like(edited), edited
 
 
@@ -175,7 +175,8 @@ def _layer_pre_hook(layout: _vllm.ModelLayout, sites: Sites, i: int) -> Hook:
             return None
         if residual is None:
             return _vllm.replace_layer_inputs(layout, args, kwargs, edited, None)
-        return _vllm.replace_layer_inputs(layout, args, kwargs, *_handed_over(edited))
+        # resid_mid reads `edited` after the layer's first norm has taken what it is handed
+        return _vllm.replace_layer_inputs(layout, args, kwargs, *_handed_over(edited.clone() if mid is not None else edited))
 
     return hook
 

@@ -241,7 +241,7 @@ class Collector:
         except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
             _fail_all(buffers, f"capture failed in the worker: {exc!r}")
             return
-        rows, index = self._to_device(selection.rows), self._to_device(index)
+        rows, index = self._to_device(selection.rows), index.index(self._to_device)
         step = self.rows_per_chunk(row_bytes)
         for lo in range(0, len(rows), step):
             block = _stacked(sites, rows[lo : lo + step], width).to(out)
@@ -286,7 +286,12 @@ class Collector:
         self._queue(kind, host, event, selection)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        """A step's row numbers on the device; through pinned memory, so the copy is queued on the
+        stream and the step loop does not wait for the forward it follows."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _hand_over(self, kind: str, picked: torch.Tensor, selection: Selection) -> None:
         """Start the copy to host on a side stream (the next step does not wait for it) into

@@ -313,7 +313,8 @@ def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_pa
     assert buffers.rows_per_block  # it files into the arena
     copy = SlowCopy()  # the device's write into the arena has not ended
     rows, counts, dests = torch.ones(len(HOOKS), 64, D_MODEL), np.array([64]), np.array([0])
-    outbox.writer.write(rows, torch.from_numpy(outbox.writer.destinations([buffers], counts, dests, len(HOOKS))).reshape(-1), None)
+    index = outbox.writer.destinations([buffers], counts, dests, len(HOOKS)).index(torch.from_numpy)
+    outbox.writer.write(rows, index.reshape(-1), None)
     buffers.n_rows = 64
     outbox.put(StepRows("arena", None, copy, [buffers], np.array([0]), counts, dests))
     outbox.finish("stuck", buffers)
