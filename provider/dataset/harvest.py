@@ -14,7 +14,8 @@ model, input fingerprint); a rerun with other values fails and names them.
 Faults: the Router already retries a request whose replica died. What still reaches us (the
 queue full, no replica answering, a lost object, a dropped connection) is retried here with
 jittered exponential backoff, at most `retries` times per line; then the run stops, finished
-shards stay, and a rerun resumes.
+shards stay, and a rerun resumes. A shard already being written when the run stops (a failure,
+Ctrl-C) is finished before `run()` ends, so nothing is published after the run has returned.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from pathlib import Path
 from provider.dataset.backends import Backend
 from provider.dataset.input import InputLine
 from provider.dataset.options import CaptureOptions, LineFailed
-from provider.dataset.shards import LineRows, finished_shards, write_shard
+from provider.dataset.shards import LineRows, finished_shards
 from replicas.api import GenerateResult, ModelInfo
 from replicas.errors import InvalidRequestError
-from replicas.sink import RowsMismatch, empty_rows, rows_of
+from replicas.sink import RowsMismatch, empty_rows, publish_shard, rows_of
 
 MAX_BACKOFF_S = 20.0
 
@@ -167,8 +168,9 @@ class Harvester:
 
     async def _write(self, shard: _Shard) -> None:
         hooks, d_model = list(self.options.hooks), self.info.d_model
-        # A thread, so requests keep flowing while the shard goes to disk.
-        size = await asyncio.to_thread(write_shard, self.out, shard.k, shard.lines, hooks, self.options.dtype, d_model)
+        # A thread, so requests keep flowing while the shard goes to disk; awaited to its end even
+        # when the run is interrupted, so no shard is published after run() has ended.
+        size = await publish_shard(None, self.out, shard.k, shard.lines, hooks, self.options.dtype, d_model)
         self.summary.bytes_written += size
         self.summary.shards_written += 1
         self.done.add(shard.k)
