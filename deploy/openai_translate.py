@@ -8,7 +8,7 @@ Rules (docs/openai.md):
   nothing capserve computes (`IGNORED`: user, metadata, ...), accepted only at the value that
   changes nothing (`NEUTRAL`: frequency_penalty 0, ...), or refused with a 400 naming the field.
   An unknown field is refused too: nothing that would change the result is silently dropped.
-- capserve's own fields (`capture`, `interventions`, `logits`) ride as top-level extra fields
+- capserve's own fields (`capture`, `interventions`, `logits`, `sae`) ride as top-level extra fields
   (what the openai client's `extra_body` sends), or inside `vllm_xargs`: either one key
   "capserve" holding a JSON string of an object with those fields, or one key per field holding
   a JSON string (or the object itself).
@@ -29,7 +29,8 @@ from replicas.api import ChatMessage, GenerateRequest
 from replicas.errors import InvalidRequestError
 from replicas.streaming import CallOptions
 
-CAPSERVE_FIELDS = ("capture", "interventions", "logits")
+# GenerateRequest fields that are capserve's own (not OpenAI's), validated by GenerateRequest itself.
+CAPSERVE_FIELDS = ("capture", "interventions", "logits", "sae")
 XARGS_KEY = "capserve"
 
 # Accepted, whatever their value: they change nothing capserve computes.
@@ -118,6 +119,7 @@ class _Body(BaseModel):
     capture: Any = None
     interventions: Any = None
     logits: Any = None
+    sae: Any = None
     vllm_xargs: dict[str, Any] | None = None
 
 
@@ -361,7 +363,7 @@ def _sampling(parsed: _Body) -> dict[str, Any]:
 
 
 def capserve_fields(parsed: _Body) -> dict[str, Any]:
-    """capture / interventions / logits, from the top level and from vllm_xargs."""
+    """capture / interventions / logits / sae, from the top level and from vllm_xargs."""
     fields = {name: getattr(parsed, name) for name in CAPSERVE_FIELDS if getattr(parsed, name) is not None}
     for key, value in (parsed.vllm_xargs or {}).items():
         where = f"vllm_xargs.{key}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -148,6 +148,28 @@ def sink_folder(url: str) -> Path:
     return path
 
 
+async def publish_shard(threads: Executor | None, folder: Path, k: int, lines: list[LineRows], hooks: list[str], dtype: str,
+                        d_model: int) -> int:
+    """`write_shard` on one of `threads` (None: the loop's default executor), awaited to its end
+    even when the awaiting task is cancelled; the cancellation then goes on. Both writers (this
+    sink and the driver's `provider.dataset.harvest`) publish through it.
+
+    A thread cannot be stopped: abandoning the await would let the write publish its shard after
+    the run that started it has ended (`capserve capture` already out with KeyboardInterrupt,
+    a rerun already counting finished shards), and would free the job's backpressure slot while
+    the thread still holds the rows."""
+    written = asyncio.get_running_loop().run_in_executor(threads, write_shard, folder, k, lines, hooks, dtype, d_model)
+    cancelled: asyncio.CancelledError | None = None
+    while not written.done():
+        try:
+            await asyncio.wait([written])  # unlike `await written`, a cancelled wait leaves the write running
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+    return written.result()
+
+
 class ShardSink:
     """Bounded writer threads and the backpressure slots of one replica."""
 
@@ -167,10 +189,7 @@ class ShardSink:
             yield
 
     async def write(self, folder: Path, job: ShardJob, lines: list[LineRows]) -> int:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._threads, write_shard, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model
-        )
+        return await publish_shard(self._threads, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

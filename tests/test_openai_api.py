@@ -25,7 +25,7 @@ from deploy.openai_responses import ChatStream, CompletionStream, capserve_field
 from deploy.openai_translate import OpenAIRequestError, translate_chat, translate_completion, translate_tokenize
 from deploy.router import Router
 from replicas import arrays
-from replicas.api import Choice, GenerateRequest, GenerateResult, ToolCall
+from replicas.api import Choice, GenerateRequest, GenerateResult, SaeFeatures, ToolCall
 from replicas.errors import BackPressureError, DeadlineExceededError, InvalidRequestError, ReplicaUnavailableError
 from replicas.streaming import ChoiceDelta, DeltaTracker, StreamDelta, StreamEnd, stream_generate
 from tests.test_router import INFO, FakePool, FakeSlot, remote
@@ -117,6 +117,30 @@ def test_capserve_fields_ride_at_top_level_or_in_vllm_xargs():
     refused(translate_chat, {"messages": USER, "capture": capture, "vllm_xargs": {"capture": json.dumps(capture)}},
             SERVED, 512, param="capture")
     refused(translate_chat, {"messages": USER, "capture": {"hooks": ["blocks.0.hook_nope"]}}, SERVED, 512, param="capture.hooks")
+
+
+SAE = {"sae_id": "res0", "top_k": 4, "positions": "prompt", "error": "norm"}
+
+
+def test_sae_rides_like_the_other_capserve_fields():
+    native = GenerateRequest.model_validate({"prompt": "hi", "sae": [SAE]}).sae
+    assert [spec.model_dump() for spec in native] == [{**SAE, "hook": None}]
+    sent = [chat(sae=[SAE]).request, chat(sae=SAE).request,  # one spec or a list, as the native request takes
+            chat(vllm_xargs={"capserve": json.dumps({"sae": [SAE]})}).request, chat(vllm_xargs={"sae": json.dumps([SAE])}).request,
+            translate_completion({"prompt": "hi", "sae": [SAE]}, SERVED, 512).request]
+    for request in sent:
+        assert request.sae == native
+    refused(translate_chat, {"messages": USER, "sae": [SAE], "vllm_xargs": {"sae": json.dumps([SAE])}}, SERVED, 512, param="sae")
+
+
+@pytest.mark.parametrize("sae, param, why", [
+    ([{**SAE, "top_k": 0}], "sae.0.top_k", "greater than or equal to 1"), ([{**SAE, "error": "huge"}], "sae.0.error", "'vector'"),
+    ([{**SAE, "bogus": 1}], "sae.0.bogus", "Extra inputs"), ([{"top_k": 4}], "sae.0.sae_id", "Field required"),
+    ([SAE, SAE], "sae", "an sae_id twice"), ("res0", "sae", "a valid list"),
+])
+def test_a_bad_sae_spec_is_a_400_naming_its_field(sae, param, why):
+    error = refused(translate_chat, {"messages": USER, "sae": sae}, SERVED, 512, param=param)
+    assert str(error).startswith(param + ":") and why in str(error), str(error)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -534,6 +558,26 @@ def test_chat_and_completions_answer_through_the_router(served):
     assert client.post("/tokenize", headers=AUTH, json={"prompt": "x", "return_token_strs": True}).json() == {
         "count": 3, "max_model_len": 512, "tokens": [1, 2, 3], "token_strs": ["a", "b", "c"]}
     assert client.post("/detokenize", headers=AUTH, json={"tokens": [1, 2]}).json() == {"prompt": "decoded"}
+
+
+def test_sae_specs_reach_the_replica_and_their_features_come_back_in_the_capserve_field(served):
+    client, _, pool = served()
+    features = SaeFeatures(hook=HOOK, positions=[0, 1], ids=np.array([[3, -1], [1, 2]], np.int32),
+                           values=np.array([[1.5, 0], [2, 1]], np.float32), error=np.array([0.5, 0.25], np.float32))
+
+    async def with_features(replica: str, request: GenerateRequest) -> GenerateResult:
+        return result().model_copy(update={"sae": {spec.sae_id: features for spec in request.sae}})
+
+    pool.behaviour = with_features
+    body = client.post("/v1/chat/completions", headers=AUTH, json={"messages": USER, "sae": [SAE]}).json()
+    (_, sent), = pool.calls
+    assert [spec.model_dump() for spec in sent.sae] == [{**SAE, "hook": None}]
+    back = SaeFeatures.model_validate(body["capserve"]["sae"]["res0"])
+    for name in ("ids", "values", "error"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(features, name))
+    response = client.post("/v1/chat/completions", headers=AUTH, json={"messages": USER, "sae": [{**SAE, "top_k": 0}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "sae.0.top_k"
+    assert len(pool.calls) == 1  # the bad spec reached no replica
 
 
 def test_streams_are_server_sent_events_ending_with_done(served):

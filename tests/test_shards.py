@@ -7,6 +7,8 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -309,6 +311,62 @@ def test_replica_side_sinks_retry_a_lost_shard_and_resume_a_driver_folder(tmp_pa
     summary = capture(source, out, options(), FakeSinkBackend(fail_shards=2))
     assert summary.complete and summary.retries == 2 and summary.shards_done_before == len(done_before)
     check_folder(out, texts, options())
+
+
+def slow_shard_writes(monkeypatch, shard: int, delay_s: float) -> threading.Event:
+    """Shard `shard` takes `delay_s` longer to publish, whichever writer writes it (the delay sits
+    in front of its commit, the .safetensors file); the event is set when its write has begun."""
+    import replicas.shard_files
+
+    began, atomic_write = threading.Event(), replicas.shard_files._atomic_write
+
+    def slowly(path: Path, write):
+        if path.name == f"shard-{shard:06d}.safetensors":
+            began.set()
+            time.sleep(delay_s)
+        return atomic_write(path, write)
+
+    monkeypatch.setattr(replicas.shard_files, "_atomic_write", slowly)
+    return began
+
+
+def test_an_interrupted_run_ends_only_after_the_shard_it_was_writing(tmp_path, monkeypatch):
+    # Shard 1's write begins after line 19 and is still running when line 27 interrupts the run;
+    # a write left on its thread would publish it after capture() raised (the old flake).
+    slow_shard_writes(monkeypatch, 1, 0.3)
+    source = write_lines(tmp_path / "in.txt", prompts(50))
+    backend = FakeBackend(on_request=lambda r: (_ for _ in ()).throw(KeyboardInterrupt) if "prompt 27 " in r["prompt"] else None)
+    with pytest.raises(KeyboardInterrupt):
+        capture(source, tmp_path / "out", options(sink="driver", concurrency=1), backend)
+    assert finished_shards(tmp_path / "out") == {0, 1}
+    assert not [p for p in (tmp_path / "out").iterdir() if ".tmp-" in p.name]
+
+
+def test_a_cancelled_shard_job_ends_only_after_its_write_and_frees_its_slot(tmp_path, monkeypatch):
+    from replicas.errors import BackPressureError
+    from replicas.sink import JobLine, ShardJob, ShardSink, run_shard
+
+    began = slow_shard_writes(monkeypatch, 0, 0.3)
+    opts, backend = options(), FakeBackend()
+    lines = [JobLine(line=i, request=opts.engine_request(text)) for i, text in enumerate(prompts(4))]
+    job = ShardJob(folder=str(tmp_path), shard=0, spec=opts.row_spec(), d_model=8, lines=lines)
+
+    async def cancel_mid_write() -> None:
+        sink = ShardSink(threads=1, max_unwritten=1, policy="refuse")
+        task = asyncio.create_task(run_shard(job, lambda request: backend.run(request, False), sink))
+        assert await asyncio.to_thread(began.wait, 10)
+        with pytest.raises(BackPressureError):  # the writing job still holds the only slot
+            async with sink.slot():
+                pass
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished_shards(tmp_path) == {0}  # published before the cancelled job ended
+        async with sink.slot():  # and its slot is free again
+            pass
+        sink.close()
+
+    asyncio.run(cancel_mid_write())
 
 
 def test_sink_choice():

@@ -14,7 +14,8 @@ model, input fingerprint); a rerun with other values fails and names them.
 Faults: the Router already retries a request whose replica died. What still reaches us (the
 queue full, no replica answering, a lost object, a dropped connection) is retried here with
 jittered exponential backoff, at most `retries` times per line; then the run stops, finished
-shards stay, and a rerun resumes.
+shards stay, and a rerun resumes. A shard already being written when the run stops (a failure,
+Ctrl-C) is finished before `run()` ends, so nothing is published after the run has returned.
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ import itertools
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from provider.dataset.backends import Backend
 from provider.dataset.input import InputLine
 from provider.dataset.options import CaptureOptions, LineFailed
-from provider.dataset.shards import LineRows, finished_shards, write_shard
+from provider.dataset.shards import LineRows, finished_shards
 from replicas.api import GenerateResult, ModelInfo
 from replicas.errors import InvalidRequestError
-from replicas.sink import RowsMismatch, empty_rows, rows_of
+from replicas.sink import RowsMismatch, empty_rows, publish_shard, rows_of
 
 MAX_BACKOFF_S = 20.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -167,8 +170,9 @@ class Harvester:
 
     async def _write(self, shard: _Shard) -> None:
         hooks, d_model = list(self.options.hooks), self.info.d_model
-        # A thread, so requests keep flowing while the shard goes to disk.
-        size = await asyncio.to_thread(write_shard, self.out, shard.k, shard.lines, hooks, self.options.dtype, d_model)
+        # A thread, so requests keep flowing while the shard goes to disk; awaited to its end even
+        # when the run is interrupted, so no shard is published after run() has ended.
+        size = await publish_shard(None, self.out, shard.k, shard.lines, hooks, self.options.dtype, d_model)
         self.summary.bytes_written += size
         self.summary.shards_written += 1
         self.done.add(shard.k)
@@ -203,21 +207,32 @@ class Harvester:
     async def _with_retries(self, item: InputLine) -> GenerateResult:
         request = self.options.request(item.prompt)
         prompt_only = self.options.max_tokens == 0
-        for attempt in itertools.count():
-            try:
-                return await self.backend.run(request, prompt_only)
-            except InvalidRequestError:
-                raise  # the line itself is bad: retrying cannot help; the caller decides
-            except Exception as exc:
-                wait = self.backend.retry_delay(exc)
-                if wait is None:
-                    raise LineFailed(f"input line {item.line + 1}: {exc!r}") from exc
-                if attempt >= self.options.retries:
-                    raise LineFailed(f"input line {item.line + 1}: failed {attempt + 1} times; last error: {exc!r}") from exc
-                self.summary.retries += 1
-                backoff = min(0.25 * 2**attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)  # jitter: no herd
-                await asyncio.sleep(max(wait, backoff))
-        raise AssertionError("unreachable")
+        return await with_retries(
+            lambda: self.backend.run(request, prompt_only), f"input line {item.line + 1}", self.backend, self.options.retries,
+            self.summary,
+        )
+
+
+async def with_retries(call: Callable[[], Awaitable[T]], what: str, backend: Backend, retries: int, summary: Summary) -> T:
+    """`call()` until it returns. An error the backend calls retryable (`retry_delay`) is retried
+    with jittered exponential backoff, at least the delay it names, at most `retries` times; any
+    other fails as a LineFailed naming `what`. InvalidRequestError (the input itself is bad:
+    retrying cannot help) goes to the caller, who decides."""
+    for attempt in itertools.count():
+        try:
+            return await call()
+        except InvalidRequestError:
+            raise
+        except Exception as exc:
+            wait = backend.retry_delay(exc)
+            if wait is None:
+                raise LineFailed(f"{what}: {exc!r}") from exc
+            if attempt >= retries:
+                raise LineFailed(f"{what}: failed {attempt + 1} times; last error: {exc!r}") from exc
+            summary.retries += 1
+            backoff = min(0.25 * 2**attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)  # jitter: no herd
+            await asyncio.sleep(max(wait, backoff))
+    raise AssertionError("unreachable")
 
 
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from provider.dataset.backends import Backend, ShardBackend
-from provider.dataset.harvest import MAX_BACKOFF_S, Progress, Summary, first_error
+from provider.dataset.harvest import Progress, Summary, first_error, with_retries
 from provider.dataset.input import InputLine
 from provider.dataset.options import CaptureOptions, LineFailed, SinkUnreachable
 from provider.dataset.shards import finished_shards
@@ -112,17 +111,10 @@ class ShardSender:
                         concurrency=min(self.options.concurrency, max(len(lines), 1)), skip_invalid=self.options.skip_invalid)
 
     async def _with_retries(self, job: ShardJob) -> ShardIndex:
-        for attempt in itertools.count():
-            try:
-                return ShardIndex.model_validate(await self.backend.run_shard(job.model_dump()))
-            except InvalidRequestError as exc:  # a bad line (named) or a folder the replica cannot write
-                raise LineFailed(f"shard {job.shard}: {exc} (fix the line, pass --skip-invalid, or use --sink driver)") from None
-            except Exception as exc:
-                wait = self.backend.retry_delay(exc)
-                if wait is None:
-                    raise LineFailed(f"shard {job.shard}: {exc!r}") from exc
-                if attempt >= self.options.retries:
-                    raise LineFailed(f"shard {job.shard}: failed {attempt + 1} times; last error: {exc!r}") from exc
-                self.summary.retries += 1
-                await asyncio.sleep(max(wait, min(0.25 * 2**attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)))
-        raise AssertionError("unreachable")
+        async def attempt() -> ShardIndex:
+            return ShardIndex.model_validate(await self.backend.run_shard(job.model_dump()))
+
+        try:
+            return await with_retries(attempt, f"shard {job.shard}", self.backend, self.options.retries, self.summary)
+        except InvalidRequestError as exc:  # a bad line (named) or a folder the replica cannot write
+            raise LineFailed(f"shard {job.shard}: {exc} (fix the line, pass --skip-invalid, or use --sink driver)") from None
