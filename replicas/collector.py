@@ -22,7 +22,13 @@ import torch
 
 from replicas import _vllm
 from replicas.outbox import Outbox, StepRows
-from replicas.plans import EXPLICIT, CapturePlan, concatenated_ranges, selected_offsets, selected_spans
+from replicas.plans import (
+    EXPLICIT,
+    CapturePlan,
+    concatenated_ranges,
+    selected_offsets,
+    selected_spans,
+)
 from replicas.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
 from replicas.sae import DeviceSae, encode_packed, packed_width, row_bytes
 from replicas.sites import Site
@@ -286,12 +292,7 @@ class Collector:
         self._queue(kind, host, event, selection)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A step's row numbers on the device; through pinned memory, so the copy is queued on the
-        stream and the step loop does not wait for the forward it follows."""
-        host = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _hand_over(self, kind: str, picked: torch.Tensor, selection: Selection) -> None:
         """Start the copy to host on a side stream (the next step does not wait for it) into

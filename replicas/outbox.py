@@ -4,9 +4,10 @@ their own, so the engine core's step loop only starts copies and never waits for
 The step loop (`replicas.worker`) hands over, per step and per group of requests that asked for
 the same hooks, one `StepRows`: a host tensor (its copy possibly still in flight, with the CUDA
 event that marks its end), which rows belong to which request and where they go in its buffer
-(sized once from its plan). The outbox thread waits for the copy and files the rows: those of
-large captures into the blocks of the shared-memory arena (`replicas.arena`, one scatter for all
-such requests), the others into the request's own arrays. When a request finishes it writes its
+(sized once from its plan). The outbox thread waits for the copy and files the rows into the
+request's own arrays. Rows of large captures are already in their blocks of the shared-memory
+arena: the device wrote them there (`replicas.arena_writer`), and their `StepRows` only marks
+where that write ends. When a request finishes the thread writes its
 result: arena captures as their block numbers, small arrays inline, large logits to a
 shared-memory file. Work runs in the order handed over, so a result holds every step handed over
 before its request finished.
@@ -44,7 +45,7 @@ from replicas.arena import (
 )
 from replicas.arena_writer import ArenaWriter, CudaHostMemory
 from replicas.errors import OUTBOX_DEAD, OUTBOX_STUCK
-from replicas.plans import RequestPlan, captured_positions, concatenated_ranges
+from replicas.plans import RequestPlan, captured_positions
 from replicas.sae_specs import SaeRows
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ SWITCH_INTERVAL_S = 0.0002
 IDLE_S = 30.0  # after this long without work the arena gives back the memory no block uses
 BACKLOG_BYTES = 4 << 30  # two of the largest steps (8192 tokens x 32 layers x 4096 x bf16 = 2 GiB)
 TIMEOUT_S = 60.0  # EngineConfig.outbox_timeout_s
+CPU = torch.device("cpu")
 STUCK, DEAD = OUTBOX_STUCK, OUTBOX_DEAD  # RequestBuffers.replica_fault
 
 
@@ -236,7 +238,8 @@ class StepRows:
 
 class Outbox:
     """A thread that files steps once their copy is done and writes finished results; work runs
-    in the order it is handed over. It alone touches the arena."""
+    in the order it is handed over. It owns the arena with its writer (`writer`, used by the step
+    loop, which takes blocks under `arena_lock`; this thread gives them back)."""
 
     def __init__(
         self,
@@ -247,7 +250,7 @@ class Outbox:
         arena_max_bytes: int | None = None,
         arena_reserve_bytes: int = 0,
         timeout_s: float = TIMEOUT_S,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = CPU,
     ):
         self.spill_dir = spill_dir  # large results go through shared memory
         self.table = BlockTable()
@@ -285,7 +288,7 @@ class Outbox:
         if pin is not None and not arena.chunks:  # /dev/shm is full: nothing to map the device view on
             arena.pin = pin = None
         self.arena, self.arena_layout = arena, layout
-        self.writer = ArenaWriter(arena, self.table, self.arena_lock, device if pin is not None else torch.device("cpu"))
+        self.writer = ArenaWriter(arena, self.table, self.arena_lock, device if pin is not None else CPU)
 
     def put(self, rows: StepRows) -> None:
         """Queue a step's rows; while the rows not filed yet exceed the backlog the step loop
