@@ -6,12 +6,13 @@ at ~1.2 GB/s on the CI machine where a copy into pages written before ran at ~10
 step loop writes each step's rows of every large capture straight from the device into their
 blocks (`replicas.arena_writer`: one kernel per step, whatever the number of requests; on a GPU
 the arena's chunks are registered with CUDA), a finished capture is described by its block
-numbers, the replica copies its rows out (`ArenaReader`) and hands the numbers back with its next
-`capserve_take`, and the blocks go to the next request. The arena reserves `reserve_bytes` at
-start-up, pages faulted in, and more a chunk at a time when every block is in use (a full
+numbers, the replica reads its rows (`ArenaReader`: in place, or a copy) and hands the numbers
+back with a later `capserve_take`, and the blocks go to the next request. A request takes all its
+blocks when it first writes, as one run, so each hook's rows lie in one piece and can be read in
+place; blocks past the rows it wrote go back as it finishes. The arena reserves `reserve_bytes` at
+start-up, pages faulted in, and more a chunk at a time when no run of free blocks fits (a full
 /dev/shm fails only the requests that needed the new chunk); it gives what it grew back once it
-has stood empty for a while, and is deleted with
-the engine. It never grows past its limit (`EngineConfig.arena_max_bytes`, by default a fair
+has stood empty for a while, and is deleted with the engine. It never grows past its limit (`EngineConfig.arena_max_bytes`, by default a fair
 share of the file system: `arena_limit_bytes`); the replica admits a request only once the
 blocks its capture may need fit beside those of the requests in flight (`ArenaBudget`), and
 hands read blocks back with the batched take RPC (`BatchedTake`), which loses none when it fails.
@@ -23,6 +24,7 @@ a float32 row, so a row of any capture dtype never straddles two blocks.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import glob
 import itertools
@@ -131,7 +133,7 @@ class HostArena:
         os.ftruncate(self.fd, size)
         self.bytes = np.frombuffer(mmap.mmap(self.fd, size), np.uint8)
         self.chunks = 0
-        self.free: list[int] = []
+        self.is_free = np.zeros(self.max_chunks * self.chunk_blocks, bool)  # True: reserved and unused
         # reserved now, so a first batch finds its pages faulted in (and registered) like a warm one
         wanted = min(-(-reserve_bytes // self.chunk_bytes), self.max_chunks)
         try:
@@ -147,18 +149,32 @@ class HostArena:
 
     @property
     def blocks_in_use(self) -> int:
-        return self.chunks * self.chunk_blocks - len(self.free)
+        reserved = self.chunks * self.chunk_blocks
+        return reserved - int(self.is_free[:reserved].sum())
 
     def allocate(self, n: int) -> np.ndarray:
-        """n block numbers; raises OSError when shared memory cannot hold another chunk."""
-        while len(self.free) < n:
-            self._grow()
-        taken = self.free[len(self.free) - n :]
-        del self.free[len(self.free) - n :]
-        return np.array(taken, np.int64)
+        """n consecutive block numbers, the first run that fits, growing the arena until one does:
+        a capture's blocks in one piece let the replica read each hook's rows in place. An arena
+        at its limit hands out scattered free blocks rather than fail (the replica admits only
+        what fits in all); OSError when not even those are free."""
+        if n == 0:
+            return np.empty(0, np.int64)
+        start = first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n)
+        while start < 0:
+            try:
+                self._grow()
+            except OSError:  # at its limit: free blocks anywhere will do (the replica then copies)
+                free = np.flatnonzero(self.is_free[: self.chunks * self.chunk_blocks])
+                if len(free) < n:
+                    raise
+                self.is_free[free[:n]] = False
+                return free[:n].astype(np.int64)
+            start = first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n)
+        self.is_free[start : start + n] = False
+        return np.arange(start, start + n, dtype=np.int64)
 
     def release(self, blocks: list[int] | np.ndarray) -> None:
-        self.free.extend(int(b) for b in blocks)
+        self.is_free[np.asarray(blocks, np.int64)] = True
 
     def shrink(self) -> None:
         """Give the memory of the chunks beyond the reserved ones (at least one) back to the
@@ -172,7 +188,8 @@ class HostArena:
         total = self.max_chunks * self.chunk_bytes
         os.ftruncate(self.fd, kept * self.chunk_bytes)  # drops the pages beyond; the mapping stays valid
         os.ftruncate(self.fd, total)
-        self.free = list(range(kept * self.chunk_blocks - 1, -1, -1))
+        self.is_free[:] = False
+        self.is_free[: kept * self.chunk_blocks] = True
         self.chunks = kept
 
     def _address(self, chunk: int) -> int:
@@ -194,47 +211,48 @@ class HostArena:
         else:  # fault the pages in now rather than on the first write of each
             self.bytes[start : start + self.chunk_bytes] = 0
         first = self.chunks * self.chunk_blocks
-        self.free.extend(range(first + self.chunk_blocks - 1, first - 1, -1))
+        self.is_free[first : first + self.chunk_blocks] = True
         self.chunks += 1
+
+
+def first_free_run(is_free: np.ndarray, n: int) -> int:
+    """Where the first run of n free blocks starts; -1 when there is none."""
+    if n > len(is_free):
+        return -1
+    counts = np.concatenate(([0], np.cumsum(is_free, dtype=np.int64)))
+    starts = np.flatnonzero(counts[n:] - counts[:-n] == n)
+    return int(starts[0]) if len(starts) else -1
 
 
 class BlockTable:
     """Which block holds each (hook, run of rows) of every request filing into the arena:
-    table[slot, hook * blocks_per_hook + row // rows_per_block], -1 until first written. One
-    array, so a step's lookups for all its requests are one numpy gather."""
+    table[slot, hook * blocks_per_hook + row // rows_per_block]; a request's blocks are taken at
+    once, as one run, when it first writes. One array, so a step's lookups for all its requests
+    are one numpy gather."""
 
     def __init__(self) -> None:
         self.table = np.full((16, 64), -1, np.int64)
         self.free_slots = list(range(15, -1, -1))
 
-    def add(self, entries: int) -> int:
-        """A slot for a request with this many entries."""
+    def add(self, blocks: np.ndarray) -> int:
+        """A slot for a request whose entries are these blocks."""
+        entries = len(blocks)
         capacity, width = self.table.shape
         if entries > width or not self.free_slots:
             grown = np.full((2 * capacity if not self.free_slots else capacity, max(width, entries)), -1, np.int64)
             grown[:capacity, :width] = self.table
             self.table = grown
             self.free_slots.extend(range(grown.shape[0] - 1, capacity - 1, -1))
-        return self.free_slots.pop()
+        slot = self.free_slots.pop()
+        self.table[slot, :entries] = blocks
+        return slot
 
     def remove(self, slot: int) -> np.ndarray:
-        """Forget a request; returns its row (-1 where it wrote nothing)."""
+        """Forget a request; returns its row (-1 past its entries)."""
         row = self.table[slot].copy()
         self.table[slot] = -1
         self.free_slots.append(slot)
         return row
-
-    def fill(self, arena: HostArena, slots: np.ndarray, entries: np.ndarray) -> np.ndarray:
-        """The blocks at (slots, entries) (arrays of one shape), allocating those not written yet."""
-        blocks = self.table[slots, entries]
-        missing = blocks < 0
-        if missing.any():
-            width = self.table.shape[1]
-            wanted, inverse = np.unique(slots[missing] * width + entries[missing], return_inverse=True)
-            fresh = arena.allocate(len(wanted))
-            self.table[wanted // width, wanted % width] = fresh
-            blocks[missing] = fresh[inverse.reshape(-1)]
-        return blocks
 
 
 def describe(layout: ArenaLayout, blocks: np.ndarray, dtype: str, shape: tuple[int, int]) -> dict[str, Any]:
@@ -257,24 +275,51 @@ def delete_files(paths: list[str]) -> None:
             pass
 
 
+HeldArena = ctypes.Array  # the arena's mapping as held by one result's arrays (`ArenaReader.hold`)
+
+
 class ArenaReader:
-    """The replica's side: copies a finished capture's rows out of the worker's arena file."""
+    """The replica's side: reads a finished capture's rows out of the worker's arena file."""
 
     def __init__(self) -> None:
         self._files: dict[str, np.ndarray] = {}
+        self._mappings: dict[str, mmap.mmap] = {}
 
-    def read(self, described: dict[str, Any]) -> np.ndarray:
+    def read(self, described: dict[str, Any], held: HeldArena | None = None) -> np.ndarray:
+        """A hook's rows: a read-only view of `held` when its blocks are one run and `held` is
+        given (nothing copied), a copy otherwise."""
         layout = ArenaLayout.from_wire(described["arena"])
         dtype = arrays.DTYPES[described["dtype"]]
         n_rows, width = (int(n) for n in described["shape"])
         row_bytes = width * dtype.itemsize
         per_block = layout.rows_per_block(row_bytes)
-        rows = self._file(layout.path).reshape(-1, row_bytes)
+        blocks = np.asarray(described["blocks"], np.int64)
+        in_one_run = len(blocks) > 0 and bool((np.diff(blocks) == 1).all())
+        if held is not None and in_one_run:
+            first = int(blocks[0]) * per_block * row_bytes
+            rows = np.frombuffer(held, np.uint8, n_rows * row_bytes, first).view(dtype).reshape(n_rows, width)
+            rows.flags.writeable = False  # the caller's arrays, not the worker's blocks
+            return rows
+        rows = self._rows(layout.path, row_bytes)
+        if in_one_run:
+            return rows[blocks[0] * per_block : blocks[0] * per_block + n_rows].copy().view(dtype).reshape(n_rows, width)
         out = np.empty((n_rows, row_bytes), np.uint8)
-        for i, block in enumerate(described["blocks"]):  # a block's rows are contiguous: one copy each
+        for i, block in enumerate(blocks.tolist()):  # a block's rows are contiguous: one copy each
             n = min(per_block, n_rows - i * per_block)
             out[i * per_block : i * per_block + n] = rows[block * per_block : block * per_block + n]
         return out.view(dtype).reshape(n_rows, width)
+
+    def hold(self, path: str) -> HeldArena:
+        """A handle on the whole mapping for one result's views (`read(..., held)`). Every array
+        taken from it, and every view of those, keeps it alive: a finalizer on it runs once the
+        last is dropped. (An ndarray cannot serve: numpy collapses chains of views to the first
+        array that owns its data or the first object that is no array.)"""
+        mapped = self._mappings[path]
+        return (ctypes.c_char * len(mapped)).from_buffer(mapped)
+
+    def _rows(self, path: str, row_bytes: int) -> np.ndarray:
+        mapped = self._file(path)
+        return mapped[: len(mapped) // row_bytes * row_bytes].reshape(-1, row_bytes)
 
     def attach(self, path: str) -> None:
         """Map the arena file and delete its name (no other process opens it by name later)."""
@@ -283,8 +328,9 @@ class ArenaReader:
 
     def _file(self, path: str) -> np.ndarray:
         if path not in self._files:
-            with open(path, "rb") as file:
-                self._files[path] = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+            with open(path, "r+b") as file:  # writable only so that `hold` can export it
+                self._mappings[path] = mmap.mmap(file.fileno(), 0)
+            self._files[path] = np.frombuffer(self._mappings[path], np.uint8)
         return self._files[path]
 
 

@@ -109,8 +109,8 @@ class ArenaWriter:
 
     def destinations(self, buffers: list, counts: np.ndarray, dests: np.ndarray, hooks: int) -> Destinations:
         """Where each captured row goes: request i's counts[i] rows are its rows dests[i]...;
-        blocks are taken as rows first reach them. Raises OSError when the arena cannot grow
-        (those requests fail). Computed per block, not per row: a prefill step has thousands of
+        a request takes all its blocks when it first writes. Raises OSError when the arena cannot
+        grow (those requests fail). Computed per block, not per row: a prefill step has thousands of
         rows per hook but a handful of blocks per request."""
         per_block = buffers[0].rows_per_block  # one group: one dtype and width
         first, last = dests // per_block, (dests + counts - 1) // per_block
@@ -119,12 +119,12 @@ class ArenaWriter:
         owner = np.repeat(np.arange(len(buffers)), n_blocks)
         with self.lock:
             for b in buffers:
-                if b.table_slot < 0:
-                    b.table_slot = self.table.add(hooks * b.blocks_per_hook)
+                if b.table_slot < 0:  # its first rows: all its blocks, in one run
+                    b.table_slot = self.table.add(self.arena.allocate(hooks * b.blocks_per_hook))
             slots = np.fromiter((b.table_slot for b in buffers), np.int64, len(buffers))[owner]
             per_hook = np.fromiter((b.blocks_per_hook for b in buffers), np.int64, len(buffers))[owner]
             entries = np.arange(hooks)[:, None] * per_hook + concatenated_ranges(first, n_blocks)
-            blocks = self.table.fill(self.arena, np.broadcast_to(slots, entries.shape), entries)
+            blocks = self.table.table[slots, entries]
         member = np.repeat(np.arange(len(buffers)), counts)
         row = concatenated_ranges(dests, counts)  # within each request
         return Destinations(blocks, block_start[member] + row // per_block - first[member], row % per_block, per_block)

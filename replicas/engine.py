@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -35,7 +37,7 @@ from replicas import arrays
 from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo, as_request
 from replicas.architectures import BlockShape, absent_kinds, block_shape
 from replicas.arena import (
-    ArenaBudget, ArenaLayout, ArenaReader, BatchedTake, arena_blocks, arena_geometry, arena_limit_bytes, arena_path,
+    ArenaBudget, ArenaLayout, ArenaReader, BatchedTake, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path,
     delete_files, stored_in, taken_results,
 )
 from replicas.attention import attention_info, finish_capture, head_shapes
@@ -65,6 +67,9 @@ class CaptureEngine:
         self.saes = SaeCatalog.read(config.saes)  # replicas.sae_specs: checked by for_checkpoint
         self._taker = BatchedTake(llm, config.take_timeout_s)
         self._arena = ArenaReader()
+        # results view the arena in place, its blocks held until their arrays are dropped (the
+        # replica: Ray copies a result out as it returns it); otherwise they are copied out
+        self.zero_copy = False
         self._arena_budget: ArenaBudget | None = None  # sized on first use, once spill_dir is known
         self.spill_dir: str | None = None  # shared-memory folder for large worker results
         # why captures fail at once on this replica (its worker's outbox died); None while they work
@@ -199,13 +204,19 @@ class CaptureEngine:
                 # also on cancellation, so the worker forgets the request's rows
                 captured = await self._take(key, finish) if finish.takes else []
             args = (key, final, [completions[i] for i in sorted(completions)], captured, finish)
-            if captured and any("blocks" in raw for raw in captured[0].get("activations", {}).values()):
-                # copying a large capture out of the arena must not hold up the event loop
-                return await asyncio.to_thread(self._result, *args)
-            return self._result(*args)
+            in_arena = [raw for raw in (captured[0].get("activations", {}) if captured else {}).values() if "blocks" in raw]
+            if not in_arena:
+                return self._result(*args)
+            # reading a large capture (and computing patterns from it) must not hold up the event loop
+            held = self._arena.hold(in_arena[0]["arena"]["path"]) if self.zero_copy else None
+            result = await asyncio.to_thread(self._result, *args, held=held)
+            if held is not None:
+                self._free_when_dropped(held, captured, finish)
+                finish.held = True  # freed with `held`
+            return result
         finally:
             self.progress.finished()
-            if not finish.taking:  # a take still under way frees what it gets itself
+            if not finish.taking and not finish.held:  # a take still under way frees what it gets itself
                 self._free(captured, finish)  # read or not, the worker's storage of them goes back
 
     async def _take(self, key: str, finish: "_Finish") -> list[dict[str, Any]]:
@@ -224,9 +235,9 @@ class CaptureEngine:
         finish.taking = False
         return captured
 
-    def _worker_array(self, raw: dict[str, Any]) -> np.ndarray:
+    def _worker_array(self, raw: dict[str, Any], held: HeldArena | None = None) -> np.ndarray:
         if "blocks" in raw:
-            return self._arena.read(raw)
+            return self._arena.read(raw, held)
         return arrays.from_file(raw) if "path" in raw else arrays.from_raw(raw)
 
     def _free(self, captured: list[dict[str, Any]], finish: "_Finish | None" = None) -> None:
@@ -240,6 +251,16 @@ class CaptureEngine:
             blocks, finish.arena_blocks = finish.arena_blocks, 0
             budget = self._budget()
             self._taker.after_release(lambda: budget.release(blocks))
+
+    def _free_when_dropped(self, held: HeldArena, captured: list[dict[str, Any]], finish: "_Finish") -> None:
+        """Free what the worker stored for these results once no array views `held` any more."""
+        loop = asyncio.get_running_loop()
+
+        def free() -> None:  # on whichever thread drops the last view
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the engine and its arena are gone
+                loop.call_soon_threadsafe(self._free, captured, finish)
+
+        weakref.finalize(held, free)
 
     def _budget(self) -> ArenaBudget:
         if self._arena_budget is None:
@@ -344,7 +365,8 @@ class CaptureEngine:
         )
 
     def _result(
-        self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]], finish: "_Finish"
+        self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]], finish: "_Finish",
+        held: HeldArena | None = None,
     ) -> GenerateResult:
         turn = finish.tool_turn
         choices = [choice(turn, c.text, list(c.token_ids), c.finish_reason, _logprobs(c.logprobs)) for c in completions]
@@ -376,7 +398,7 @@ class CaptureEngine:
         fed = len(sequence) - 1
         kept = bisect.bisect_left(first["positions"], fed)
         result.sae = sae_results(first.get("sae") or [], fed)
-        activations = {name: finish.rows(self._worker_array(raw), kept) for name, raw in first["activations"].items()}
+        activations = {name: finish.rows(self._worker_array(raw, held), kept) for name, raw in first["activations"].items()}
         if finish.capture is not None:
             info = self._info
             result.activations, result.positions = finish_capture(
@@ -398,6 +420,7 @@ class _Finish:
         self.capture = capture
         self.widened = False  # the worker captured more positions than asked, for a pattern's keys
         self.arena_blocks = arena_blocks  # of the replica's arena budget, held until freed
+        self.held = False  # its result views the arena: freed when those arrays are dropped
         self.ran = False  # submitted to vLLM
         self.taking = False  # its take is under way
         # a mean over rows that may run past the returned tokens is taken here, after trimming

@@ -397,12 +397,15 @@ class Outbox:
     def _finish(self, name: str, buffers: RequestBuffers) -> None:
         with self.arena_lock:
             table_row = self.table.remove(buffers.table_slot) if buffers.table_slot >= 0 else np.empty(0, np.int64)
-            if buffers.error is not None and self.arena is not None:
-                self.arena.release(table_row[table_row >= 0])
         try:
             result = buffers.finish(self._spill_path(name), self.arena_layout, table_row)
         except Exception as exc:  # e.g. shared memory full
             result = {"error": f"capture could not be delivered: {exc!r}"}
+        taken = table_row[table_row >= 0]
+        if len(taken):  # the blocks past the rows it wrote (it stopped early), or all when it failed
+            unread = np.setdiff1d(taken, stored_in(result)[0] if result.get("error") is None else [])
+            with self.arena_lock:
+                self.arena.release(unread)
         self._deliver(buffers, result)
 
     def _deliver(self, buffers: RequestBuffers, result: dict[str, Any]) -> None:

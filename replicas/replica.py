@@ -138,6 +138,9 @@ class EngineReplica:
         if engine_cls is None:
             from replicas.engine import CaptureEngine as engine_cls
         self._engine = await engine_cls.start(config, name=self.name)
+        # results leave this process by Ray's serialization, which copies them: they can view
+        # the worker's arena in place until then (replicas.arena.HeldArena)
+        self._engine.zero_copy = True
         self._info: ModelInfo = await self._engine.info()
         logger.info("replica %s serving %s", self.name, self._info.model)
 

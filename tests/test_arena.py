@@ -69,11 +69,9 @@ class Host:
         self.collector._hand_over_rows(0, selection)
 
     def finish(self, buffers: RequestBuffers) -> dict:
-        """What the outbox thread does when a request ends."""
-        table_row = self.table.remove(buffers.table_slot) if buffers.table_slot >= 0 else np.empty(0, np.int64)
-        if buffers.error is not None:
-            self.arena.release(table_row[table_row >= 0])
-        return buffers.finish(None, self.layout, table_row)
+        """What the outbox thread does when a request ends (here in the calling thread)."""
+        self.outbox._finish("r", buffers)
+        return buffers.result
 
     def result(self, buffers: RequestBuffers) -> dict[str, np.ndarray]:
         """What the replica reads, then hands back."""
@@ -371,7 +369,7 @@ def test_the_reserve_is_faulted_in_and_registered_at_start_and_kept_when_idle(tm
     arena.release(blocks)
     arena.shrink()
     assert arena.chunks == 3 and len(pin.registered) == 3 and shm_bytes_of(layout.path) == 3 * arena.chunk_bytes
-    assert sorted(arena.free) == list(range(3 * arena.chunk_blocks))
+    assert arena.blocks_in_use == 0 and arena.is_free[: 3 * arena.chunk_blocks].all() and not arena.is_free[3 * arena.chunk_blocks :].any()
 
 
 def test_a_reserve_larger_than_the_limit_takes_the_limit(tmp_path):
@@ -384,3 +382,60 @@ def test_rows_are_written_with_the_widest_integer_that_divides_them():
     from replicas.arena_writer import element_type
 
     assert [element_type(n) for n in (8192, 4100, 4098, 4097)] == [torch.int64, torch.int32, torch.int16, torch.uint8]
+
+
+def test_a_capture_takes_its_blocks_in_one_run_and_gives_back_those_it_never_wrote(host):
+    """All of a request's blocks are taken at its first write, in one run, so each hook's rows lie
+    in one piece; a request that stops early frees the blocks past its rows as it finishes."""
+    rng = np.random.default_rng(6)
+    buffers = host.buffers(request_plan(prompt_len=40, max_tokens=200))  # up to 239 rows: 8 blocks per hook
+    host.step([(buffers, 40)], rng)
+    assert host.arena.blocks_in_use == len(HOOKS) * 8
+    table_row = host.table.table[buffers.table_slot, : len(HOOKS) * 8]
+    assert (np.diff(table_row) == 1).all()
+    result = host.finish(buffers)  # stopped after its prompt: 2 blocks per hook hold rows
+    assert host.arena.blocks_in_use == len(HOOKS) * 2 == len(stored_in(result)[0])
+    host.arena.release(stored_in(result)[0])
+    assert host.arena.blocks_in_use == 0
+
+
+def test_a_result_views_the_arena_in_place_until_its_last_array_is_dropped(host):
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(7)
+    buffers = host.buffers(request_plan(prompt_len=100, max_tokens=1))
+    host.step([(buffers, 100)], rng)
+    described = host.finish(buffers)["activations"][HOOKS[1]]
+    host.reader.attach(host.layout.path)
+    held = host.reader.hold(host.layout.path)
+    freed = threading.Event()
+    weakref.finalize(held, freed.set)
+    rows = host.reader.read(described, held)
+    np.testing.assert_array_equal(rows, host.expected(buffers)[1])
+    assert np.shares_memory(rows, held) and not rows.flags.writeable  # read in place
+    part = rows[10:20, 2:]  # a caller's slice keeps the mapping held too
+    del held, rows
+    gc.collect()
+    assert not freed.is_set()
+    np.testing.assert_array_equal(part, host.expected(buffers)[1][10:20, 2:])
+    del part
+    gc.collect()
+    assert freed.is_set()
+    copied = host.reader.read(described)  # without a holder: a copy
+    assert not np.shares_memory(copied, np.frombuffer(host.reader.hold(host.layout.path), np.uint8))
+    np.testing.assert_array_equal(copied, host.expected(buffers)[1])
+
+
+def test_an_arena_at_its_limit_hands_out_scattered_blocks_rather_than_fail(tmp_path):
+    """The replica admits a capture once its blocks fit in the whole arena; a run of them may not
+    exist then, and the capture gets free blocks wherever they are."""
+    arena = HostArena(ArenaLayout.for_model(str(tmp_path), D_MODEL), max_bytes=100 << 10)  # 100 blocks
+    first, second = arena.allocate(40), arena.allocate(20)
+    assert first.tolist() == list(range(40)) and second.tolist() == list(range(40, 60))
+    arena.release(first)
+    scattered = arena.allocate(44)  # 80 free, but no run of 44
+    assert sorted(scattered.tolist()) == list(range(40)) + list(range(60, 64))
+    assert arena.blocks_in_use == 64
+    with pytest.raises(OSError, match="arena is full"):
+        arena.allocate(37)

@@ -13,7 +13,7 @@ import torch
 
 from replicas._vllm import StepLayout
 from replicas.api import GenerateRequest, ModelInfo
-from replicas.arena import ArenaBudget, BatchedTake, BlockTable
+from replicas.arena import ArenaBudget, BatchedTake
 from replicas.blocks import SiteOptions, _build_sites
 from replicas.collector import Collector
 from replicas.edit_table import EditTable
@@ -373,6 +373,41 @@ def test_requests_wait_for_room_in_the_arena_and_one_that_never_fits_is_refused(
             assert_close(got.activations[name], rows, atol=ACTIVATION_TOL, rtol=0)
     stats = loop.run(settled_stats(small))
     assert 0 < stats["arena_bytes"] <= ARENA_BYTES and stats["arena_bytes_in_use"] == 0
+    assert small._budget().used == 0
+
+
+@pytest.mark.engine
+def test_a_result_that_views_the_arena_holds_its_blocks_until_its_arrays_are_dropped(loop, small):
+    """What a replica does (`zero_copy`): the result's rows are read in place, and its blocks and
+    arena budget come back once no array of it is left, not before."""
+    import gc
+
+    from tests.test_engine_capture import prompt_ids, settled_stats
+
+    request = {"prompt": prompt_ids(100, seed=93), "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+               "capture": {"hooks": hooks_of(4)}}
+    copied = loop.run(small.generate(request))
+    small.zero_copy = True
+    try:
+        viewed = loop.run(small.generate(request))
+    finally:
+        small.zero_copy = False
+    for name, rows in copied.activations.items():
+        assert rows.shape == (119, 128) and rows.flags.writeable
+        np.testing.assert_array_equal(viewed.activations[name], rows)
+        assert not viewed.activations[name].flags.writeable  # read in place
+    part = viewed.activations[hooks_of(4)[2]][50:60]
+    del viewed
+    gc.collect()
+    assert loop.run(settled_stats(small, timeout_s=1.0))["arena_bytes_in_use"] > 0 and small._budget().used > 0
+    np.testing.assert_array_equal(part, copied.activations[hooks_of(4)[2]][50:60])  # its rows are still there
+    del part
+    gc.collect()
+    assert loop.run(settled_stats(small))["arena_bytes_in_use"] == 0
+    for _ in range(100):  # the budget comes back once the worker has the blocks back
+        if not small._budget().used:
+            break
+        loop.run(asyncio.sleep(0.05))
     assert small._budget().used == 0
 
 
