@@ -14,7 +14,6 @@ still takes blocks back and forgets finished requests.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ import torch
 
 from replicas.arena import BlockTable, HostArena
 from replicas.plans import concatenated_ranges
-
-logger = logging.getLogger(__name__)
 
 REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
@@ -105,7 +102,6 @@ class ArenaWriter:
             self.window = torch.as_tensor(_DeviceWindow(address, size), device=device)
         else:
             self.window = torch.from_numpy(arena.bytes)
-        self.bytes_written = 0
 
     def destinations(self, buffers: list, counts: np.ndarray, dests: np.ndarray, hooks: int) -> Destinations:
         """Where each captured row goes: request i's counts[i] rows are its rows dests[i]...;
@@ -148,4 +144,3 @@ class ArenaWriter:
                 target.index_copy_(0, index, source)
             rows.record_stream(stream)  # their memory is not reused before the kernel ends
             index.record_stream(stream)
-        self.bytes_written += rows.numel() * rows.element_size()

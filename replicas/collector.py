@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from replicas import _vllm
-from replicas.outbox import Outbox, StepRows
+from replicas.outbox import Outbox, StepRows, fail_all
 from replicas.plans import (
     EXPLICIT,
     CapturePlan,
@@ -242,10 +242,10 @@ class Collector:
         try:
             index = writer.destinations(buffers, selection.counts, selection.dests, len(sites))
         except OSError as exc:  # shared memory full: these requests fail, the others go on
-            _fail_all(buffers, f"capture could not be stored in shared memory: {exc}")
+            fail_all(buffers, f"capture could not be stored in shared memory: {exc}")
             return
         except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
-            _fail_all(buffers, f"capture failed in the worker: {exc!r}")
+            fail_all(buffers, f"capture failed in the worker: {exc!r}")
             return
         rows, index = self._to_device(selection.rows), index.index(self._to_device)
         step = self.rows_per_chunk(row_bytes)
@@ -355,8 +355,3 @@ def _stacked(sites: list[Site], rows: torch.Tensor, width: int) -> torch.Tensor:
     """[hooks, rows, width]: these rows of each site's staging buffer, narrower ones zero-padded."""
     blocks = [site.staging.index_select(0, rows) for site in sites]
     return torch.stack([b if b.shape[1] == width else torch.nn.functional.pad(b, (0, width - b.shape[1])) for b in blocks])
-
-
-def _fail_all(buffers: list, failure: str) -> None:
-    for b in buffers:
-        b.fail(failure)

@@ -304,11 +304,11 @@ class Outbox:
                 )
                 self.wait_seconds += time.perf_counter() - began
                 if self.failure is None and self._queued_bytes and self._queued_bytes + size > self.backlog_bytes:
-                    _fail_all(rows.requests, "the worker's outbox thread did not file earlier rows in time "
+                    fail_all(rows.requests, "the worker's outbox thread did not file earlier rows in time "
                               "(engine option outbox_timeout_s)", STUCK)
                     return
             if self.failure is not None:
-                _fail_all(rows.requests, self.failure, DEAD)
+                fail_all(rows.requests, self.failure, DEAD)
                 return
             self._queued_bytes += size
             self._work.put(rows)
@@ -357,7 +357,7 @@ class Outbox:
         while item is not None or not self._work.empty():
             item = item if item is not None else self._work.get_nowait()
             if isinstance(item, StepRows):
-                _fail_all(item.requests, failure, DEAD)
+                fail_all(item.requests, failure, DEAD)
             elif isinstance(item, tuple) and not item[1].done.is_set():
                 item[1].fail(failure, DEAD)
                 self._deliver(item[1], item[1].error_result())
@@ -424,7 +424,7 @@ class Outbox:
         return lambda _array_name: os.path.join(self.spill_dir, f"{name}-{next(numbers)}.bin")
 
 
-def _fail_all(requests: list[RequestBuffers], failure: str, fault: str) -> None:
+def fail_all(requests: list[RequestBuffers], failure: str, fault: str = "") -> None:
     for buffers in requests:
         buffers.fail(failure, fault)
 
