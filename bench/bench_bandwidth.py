@@ -12,7 +12,9 @@ model) x 4096 x 2 B = 138 MB per request, 8.8 GB per batch. Reported per round a
 rounds: GB/s of activations the caller received (array bytes / wall time of the batch) and total
 tokens per second of both, side by side, so the capture's cost is a ratio measured in one run.
 
-`--via engine` calls `replicas.engine.CaptureEngine` in this process; `--via serve` runs the
+`--via engine` calls `replicas.engine.CaptureEngine` in this process, which copies each result
+out of the arena; `--via engine-inplace` lets its results view the arena instead (`zero_copy`, what
+a replica does before Ray copies a result out); `--via serve` runs the
 whole app (Router -> one EngineReplica) and asks for results by reference (`by_reference=True`:
 the caller reads the replica's result from Ray's object store, zero-copy on one node). Each via
 runs in its own process. Memory: the batch is capped so that two copies of it (the worker's
@@ -53,7 +55,7 @@ from bench.common import (
     write_runs,
 )
 
-VIAS = ("engine", "serve")
+VIAS = ("engine", "engine-inplace", "serve")
 DEFAULT_WORKLOAD = {"llama8b": Workload("64x512+16", 64, 512, 16), "llama1b": Workload("64x512+16", 64, 512, 16),
                     "tiny": Workload("8x64+8", 8, 64, 8)}
 CAPTURE_DTYPE_BYTES = 2  # bfloat16
@@ -152,13 +154,14 @@ async def measure(submit: Submit, plan: Plan, requests: int, rounds: int) -> dic
     return out
 
 
-async def via_engine(model: str, args: argparse.Namespace, plan: Plan, requests: int) -> dict[str, Any]:
+async def via_engine(model: str, args: argparse.Namespace, plan: Plan, requests: int, in_place: bool) -> dict[str, Any]:
     from replicas.engine import CaptureEngine, EngineConfig
 
     config = EngineConfig(model=model, max_capture_bytes=plan.capture_cap, arena_reserve_bytes=requests * plan.bytes_per_request,
                           **dummy_engine_options(args.config, ["resid_post"]))
     started = time.perf_counter()
     engine = await CaptureEngine.start(config)
+    engine.zero_copy = in_place  # results view the arena, as a replica's do, instead of a copy
     try:
         boot_s = time.perf_counter() - started
         out = await measure(engine.generate, plan, requests, args.rounds)
@@ -216,8 +219,8 @@ def run_one(args: argparse.Namespace, via: str) -> None:
     path = result_path(f"bandwidth_{args.config}", args.out)
     model = dummy_model_folder(args.config)
     try:
-        if via == "engine":
-            run |= asyncio.run(via_engine(model, args, plan, requests))
+        if via.startswith("engine"):
+            run |= asyncio.run(via_engine(model, args, plan, requests, in_place=via == "engine-inplace"))
         else:
             run |= via_serve(model, args, plan, requests)
     except BaseException as exc:
@@ -255,7 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="llama8b", choices=CONFIGS)
     parser.add_argument("--via", nargs="*", default=["engine"], choices=VIAS,
-                        help="engine: CaptureEngine in this process; serve: the app, by reference; none = print only")
+                        help="engine: CaptureEngine in this process (engine-inplace: its results view the arena, "
+                        "as a replica's do); serve: the app, by reference; none = print only")
     parser.add_argument("--requests", type=int, default=None, help="batch size (8B default 64; tiny 8)")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)

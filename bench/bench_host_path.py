@@ -99,8 +99,9 @@ def run_way(way: str, args: argparse.Namespace, schedule: list[list[tuple[int, i
             b.n_rows += n
         gathered = source.view(-1)[: args.layers * int(counts.sum()) * args.d_model].view(args.layers, -1, args.d_model)
         if arena is not None:
-            index = writer.destinations(members, counts, dests, args.layers).index(torch.from_numpy).reshape(-1)
-            writer.write(gathered, index, None)
+            destinations = writer.destinations(members, counts, dests, args.layers)
+            _, index = destinations.index(torch.from_numpy(destinations.packed(np.arange(int(counts.sum())))))
+            writer.write(gathered, index.reshape(-1), None)
         else:
             StepRows("rows", gathered, None, members, offsets, counts, dests).file()
     delivered = 0

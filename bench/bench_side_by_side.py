@@ -7,7 +7,8 @@ Plain vLLM (CUDA graphs, its default runner) and two capserve engines (CUDA grap
 same GPU, a third of its memory each, and take turns: every round runs each case's batch once,
 plain first. A process-per-engine run drifts by a few percent; alternating in one process cancels
 that. Reported per case: tokens per second (prompt + generated) of the first round and the median
-of the later ones, each as a ratio to plain's batch of the same round(s).
+of the later ones, each as a ratio to plain's batch of the same round(s), and the worker's step
+loop time outside the forward (prepare, collect) per step, in microseconds.
 
 Deployments and cases:
   z        hook_z armed (capture) at every layer, edits on z at the middle layer (`steer_layers`):
@@ -126,17 +127,41 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for submit in submits.values():  # warm-up
                 await asyncio.gather(*(submit(p) for p in prompts[:8]))
             rounds: dict[str, list[float]] = {case: [] for case in submits}
+            worker = {case: WorkerTime() for case in cases}
             for r in range(args.rounds):
                 for case, submit in submits.items():
+                    engine = cases[case][0] if case in cases else None
+                    before = await engine.stats() if engine else None
                     rounds[case].append(await batch(workload, submit, prompts))
+                    if engine:
+                        worker[case].add(before, await engine.stats())
                     print(f"{name} round {r} {case}: {rounds[case][-1]:.0f} tok/s", flush=True)
             results[name] = summarize(rounds)
+            for case, time_spent in worker.items():
+                results[name][case]["worker_us_per_step"] = time_spent.per_step()
             gc.collect()
     finally:
         for engine in engines.values():
             await engine.shutdown()
         plain.shutdown()
     return results
+
+
+class WorkerTime:
+    """The worker's step-loop time outside the forward (prepare, collect), per step over a case's
+    rounds: where a case's cost goes when the step loop, not the GPU, sets the pace."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.seconds: dict[str, float] = {}
+
+    def add(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        self.steps += after["steps"] - before["steps"]
+        for phase in ("prepare", "collect"):
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + after["seconds"][phase] - before["seconds"][phase]
+
+    def per_step(self) -> dict[str, float]:
+        return {phase: seconds / max(self.steps, 1) * 1e6 for phase, seconds in self.seconds.items()}
 
 
 def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +72,9 @@ def element_type(row_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
+HOST_EXPANDED_MAX = 1 << 14  # arena rows (hooks x rows) a step expands on the host; more go to the device
+
+
 @dataclass
 class Destinations:
     """Row r of a step goes, for hook h, to slot[r] of block blocks[h, block[r]]."""
@@ -82,10 +84,27 @@ class Destinations:
     slot: np.ndarray  # [rows]
     per_block: int
 
-    def index(self, to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
-        """[hooks, rows]: each row's row number in the arena, expanded where the rows are written."""
-        blocks, block_and_slot = to_device(self.blocks), to_device(np.stack([self.block, self.slot]))
-        return blocks[:, block_and_slot[0]] * self.per_block + block_and_slot[1]
+    @property
+    def expanded_on_host(self) -> bool:
+        """A small step (decode) expands its rows' arena rows in numpy, cheaper than the device's
+        kernels; a large one (prefill: thousands of rows per hook) ships blocks, not rows."""
+        return self.blocks.shape[0] * len(self.block) <= HOST_EXPANDED_MAX
+
+    def packed(self, rows: np.ndarray) -> np.ndarray:
+        """The step rows to read and what `index` needs, in one array: one copy to the device a
+        step, because each copy costs the step loop more than its few bytes."""
+        if self.expanded_on_host:
+            return np.concatenate([rows, (self.blocks[:, self.block] * self.per_block + self.slot).ravel()])
+        return np.concatenate([rows, self.block, self.slot, self.blocks.ravel()])
+
+    def index(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From `packed` (on the device where the rows are written): the step rows [rows] and each
+        row's row number in the arena for each hook [hooks, rows]."""
+        n, hooks = len(self.block), self.blocks.shape[0]
+        if self.expanded_on_host:
+            return packed[:n], packed[n:].view(hooks, n)
+        rows, block, slot, blocks = packed.split([n, n, n, self.blocks.size])
+        return rows, torch.add(slot, blocks.view(self.blocks.shape)[:, block], alpha=self.per_block)
 
 
 class ArenaWriter:
@@ -102,6 +121,7 @@ class ArenaWriter:
             self.window = torch.as_tensor(_DeviceWindow(address, size), device=device)
         else:
             self.window = torch.from_numpy(arena.bytes)
+        self._views: dict[int, torch.Tensor] = {}
 
     def destinations(self, buffers: list, counts: np.ndarray, dests: np.ndarray, hooks: int) -> Destinations:
         """Where each captured row goes: request i's counts[i] rows are its rows dests[i]...;
@@ -109,21 +129,33 @@ class ArenaWriter:
         grow (those requests fail). Computed per block, not per row: a prefill step has thousands of
         rows per hook but a handful of blocks per request."""
         per_block = buffers[0].rows_per_block  # one group: one dtype and width
-        first, last = dests // per_block, (dests + counts - 1) // per_block
-        n_blocks = last - first + 1
-        block_start = np.cumsum(n_blocks) - n_blocks  # where request i's blocks begin among the step's
-        owner = np.repeat(np.arange(len(buffers)), n_blocks)
         with self.lock:
             for b in buffers:
                 if b.table_slot < 0:  # its first rows: all its blocks, in one run
                     b.table_slot = self.table.add(self.arena.allocate(hooks * b.blocks_per_hook))
-            slots = np.fromiter((b.table_slot for b in buffers), np.int64, len(buffers))[owner]
-            per_hook = np.fromiter((b.blocks_per_hook for b in buffers), np.int64, len(buffers))[owner]
-            entries = np.arange(hooks)[:, None] * per_hook + concatenated_ranges(first, n_blocks)
-            blocks = self.table.table[slots, entries]
+            slots, per_hook = np.array([(b.table_slot, b.blocks_per_hook) for b in buffers], np.int64).T
+            first = dests // per_block
+            if len(counts) == int(counts.sum()):  # one row each (counts are >= 1; decode): one block each
+                blocks = self.table.table[slots, np.arange(hooks)[:, None] * per_hook + first]
+                return Destinations(blocks, np.arange(len(counts)), dests % per_block, per_block)
+            n_blocks = (dests + counts - 1) // per_block - first + 1
+            owner = np.repeat(np.arange(len(buffers)), n_blocks)
+            entries = np.arange(hooks)[:, None] * per_hook[owner] + concatenated_ranges(first, n_blocks)
+            blocks = self.table.table[slots[owner], entries]
+        block_start = np.cumsum(n_blocks) - n_blocks  # where request i's blocks begin among the step's
         member = np.repeat(np.arange(len(buffers)), counts)
         row = concatenated_ranges(dests, counts)  # within each request
         return Destinations(blocks, block_start[member] + row // per_block - first[member], row % per_block, per_block)
+
+    def _rows_of(self, row_bytes: int) -> torch.Tensor:
+        """The arena as rows of row_bytes, in the widest integer that divides them (one view per
+        row size: building it costs the step loop more than the write's launch)."""
+        view = self._views.get(row_bytes)
+        if view is None:
+            kind = element_type(row_bytes)
+            usable = self.window.shape[0] // row_bytes * row_bytes
+            view = self._views[row_bytes] = self.window[:usable].view(kind).view(-1, row_bytes // kind.itemsize)
+        return view
 
     def write(self, rows: torch.Tensor, index: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """rows [hooks, n, width] (contiguous) into arena rows index ([hooks * n], on the device),
@@ -131,11 +163,8 @@ class ArenaWriter:
         records the event the outbox waits for."""
         if rows.device != self.window.device:
             rows, index, stream = rows.cpu(), index.cpu(), None
-        row_bytes = rows.shape[-1] * rows.element_size()
-        kind = element_type(row_bytes)
-        usable = self.window.shape[0] // row_bytes * row_bytes
-        target = self.window[:usable].view(kind).view(-1, row_bytes // kind.itemsize)
-        source = rows.reshape(-1, rows.shape[-1]).view(kind)
+        target = self._rows_of(rows.shape[-1] * rows.element_size())
+        source = rows.reshape(-1, rows.shape[-1]).view(target.dtype)
         if stream is None:
             target.index_copy_(0, index, source)
         else:

@@ -247,16 +247,16 @@ class Collector:
         except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
             fail_all(buffers, f"capture failed in the worker: {exc!r}")
             return
-        rows, index = self._to_device(selection.rows), index.index(self._to_device)
+        rows, index = index.index(self._to_device(index.packed(selection.rows)))
         step = self.rows_per_chunk(row_bytes)
         for lo in range(0, len(rows), step):
             block = _stacked(sites, rows[lo : lo + step], width).to(out)
             writer.write(block, index[:, lo : lo + step].reshape(-1), self.copy_stream)
-        event = None
-        if self.copy_stream is not None:
+        if self.copy_stream is not None:  # their results wait for it; nothing is handed over per step
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        self.outbox.put(StepRows("arena", None, event, buffers, selection.offsets, selection.counts, selection.dests))
+            for b in buffers:
+                b.written = event
 
     def _hand_over_logits(self, selection: Selection) -> None:
         """[1, rows, vocab] float32 logits of the final-normed rows."""
@@ -353,5 +353,7 @@ class Collector:
 
 def _stacked(sites: list[Site], rows: torch.Tensor, width: int) -> torch.Tensor:
     """[hooks, rows, width]: these rows of each site's staging buffer, narrower ones zero-padded."""
+    if len(sites) == 1 and sites[0].staging.shape[1] == width:  # no stacked copy of a single hook
+        return sites[0].staging.index_select(0, rows).unsqueeze(0)
     blocks = [site.staging.index_select(0, rows) for site in sites]
     return torch.stack([b if b.shape[1] == width else torch.nn.functional.pad(b, (0, width - b.shape[1])) for b in blocks])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from replicas.plans import PHASE_MODES, EditPlan, mode_code, selected_spans, value_rows
+from replicas.plans import PHASE_MODES, EditPlan, concatenated_ranges, mode_code, selected_spans, value_rows
 from replicas.request_table import Batch, Columns, Entry, RequestTable
 from replicas.sites import Site, table_row
 
@@ -23,11 +23,9 @@ Sets = dict[Site, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]]
 
 
 def fill_ranges(row: np.ndarray, starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> None:
-    """row[s:e] = v for disjoint ranges, in one pass (a difference array)."""
-    steps = np.zeros(len(row) + 1, np.int64)
-    np.add.at(steps, starts, values)
-    np.add.at(steps, ends, -values)
-    row += np.cumsum(steps[:-1])
+    """row[s:e] = v for disjoint ranges, in one pass."""
+    lengths = ends - starts
+    row[concatenated_ranges(starts, lengths)] = np.repeat(values, lengths)
 
 
 class EditTable:
@@ -43,7 +41,8 @@ class EditTable:
         }
         self._slot_users: dict[tuple[int, int, bytes], list[int]] = {}  # table row content -> [slot, requests]
         self.lanes: dict[tuple[Site, int], str] = {}  # (site, stage) -> prefix of its edit columns
-        self._dirty_rows: dict[Site, int] = {}
+        self._dirty_rows: dict[Site, int] = {}  # rows of each site's slot map the previous step set
+        self._dirty_sets: dict[Site, int] = {}  # rows of its set_stage and set_row map
 
     # ------------------------------------------------------------ per request
 
@@ -99,7 +98,7 @@ class EditTable:
         """Point the rows each request of the step edits at its slots, on the device; returns the
         sites edited in this step."""
         slots, sets = self._edit_slots(batch, requests) if requests.requests else ({}, {})
-        if slots or self._dirty_rows:
+        if slots or self._dirty_rows or self._dirty_sets:
             self._write_edit_rows(slots, sets, batch.step.num_tokens)
         return slots
 
@@ -146,24 +145,24 @@ class EditTable:
         return slots, sets
 
     def _write_edit_rows(self, slots: Slots, sets: Sets, num_tokens: int) -> None:
-        """Copy each steered site's row slots to the device; reset the rows the previous step
-        pointed at for sites no longer steered."""
+        """Copy each steered site's row slots to the device, and the rows `set` edits write where
+        there are any; rows the previous step pointed at go back to neutral. One copy per site
+        and step when no request patches (`set`): each copy costs the step loop more than its bytes."""
         for site in set(self._dirty_rows) | set(slots):
-            previous = self._dirty_rows.pop(site, 0)
-            if site not in slots:
-                site.slot[:, :previous] = 0
-                site.set_stage[:previous] = -1
-                continue
-            width = max(previous, num_tokens)
+            width = max(self._dirty_rows.pop(site, 0), num_tokens if site in slots else 0)
             slot = np.zeros((site.edit_stages, width), dtype=np.int64)
-            slot[:, :num_tokens] = slots[site]
-            set_stage = np.full(width, -1, dtype=np.int64)
-            set_row = np.zeros(width, dtype=np.int64)
-            for stage, rows, shared_rows, values in sets.get(site, ()):
-                set_stage[rows] = stage
-                set_row[rows] = shared_rows
-                site.values[torch.from_numpy(shared_rows)] = torch.from_numpy(values).to(self.device, site.values.dtype)
+            if site in slots:
+                slot[:, :num_tokens] = slots[site]
+                self._dirty_rows[site] = num_tokens
             site.slot[:, :width].copy_(torch.from_numpy(slot), non_blocking=True)
-            site.set_stage[:width].copy_(torch.from_numpy(set_stage), non_blocking=True)
-            site.set_row[:width].copy_(torch.from_numpy(set_row), non_blocking=True)
-            self._dirty_rows[site] = num_tokens
+        for site in set(self._dirty_sets) | set(sets):
+            width = max(self._dirty_sets.pop(site, 0), num_tokens if site in sets else 0)
+            set_stage_and_row = np.stack([np.full(width, -1, dtype=np.int64), np.zeros(width, dtype=np.int64)])
+            for stage, rows, shared_rows, values in sets.get(site, ()):
+                set_stage_and_row[0, rows] = stage
+                set_stage_and_row[1, rows] = shared_rows
+                site.values[torch.from_numpy(shared_rows)] = torch.from_numpy(values).to(self.device, site.values.dtype)
+            if site in sets:
+                self._dirty_sets[site] = num_tokens
+            site.set_stage[:width].copy_(torch.from_numpy(set_stage_and_row[0]), non_blocking=True)
+            site.set_row[:width].copy_(torch.from_numpy(set_stage_and_row[1]), non_blocking=True)

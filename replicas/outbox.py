@@ -6,8 +6,9 @@ the same hooks, one `StepRows`: a host tensor (its copy possibly still in flight
 event that marks its end), which rows belong to which request and where they go in its buffer
 (sized once from its plan). The outbox thread waits for the copy and files the rows into the
 request's own arrays. Rows of large captures are already in their blocks of the shared-memory
-arena: the device wrote them there (`replicas.arena_writer`), and their `StepRows` only marks
-where that write ends. When a request finishes the thread writes its
+arena: the device wrote them there (`replicas.arena_writer`), and the step loop hands over
+nothing for them (each request keeps the event of its latest write, which its result waits
+for). When a request finishes the thread writes its
 result: arena captures as their block numbers, small arrays inline, large logits to a
 shared-memory file. Work runs in the order handed over, so a result holds every step handed over
 before its request finished.
@@ -72,7 +73,11 @@ class RequestBuffers:
     sae: list[SaeRows] = field(default_factory=list)  # one per SAE spec of the plan
     row_shape: tuple[int, str] = (0, "float32")  # (d, dtype) of a captured row
     rows_per_block: int = 0  # > 0: rows live in the arena, this many per block
+    blocks_per_hook: int = 0  # in the arena: the blocks each hook's rows take
     table_slot: int = -1  # its row of the arena's block table, once it has one
+    # torch.cuda.Event of its latest write into the arena (None: none, or on the CPU, where writes
+    # end as they are issued); its result is published once it is done
+    written: Any = None
     n_rows: int = 0  # rows handed over (set by the step loop once the request ran its last step)
     n_logits: int = 0
     error: str | None = None
@@ -102,15 +107,12 @@ class RequestBuffers:
                 buffers.sites = np.zeros((len(capture.sites), 1, d_model), np.float32)
             elif in_arena:  # at least a block's worth per hook
                 buffers.rows_per_block = arena.rows_per_block(row_bytes)
+                buffers.blocks_per_hook = -(-capture.max_rows // buffers.rows_per_block)
             else:
                 buffers.sites = np.empty((len(capture.sites), capture.max_rows, d_model), dtype)
         if plan.logits_positions is not None:
             buffers.logits = np.empty((plan.logits_rows, vocab), np.float32)
         return buffers
-
-    @property
-    def blocks_per_hook(self) -> int:
-        return -(-self.plan.capture.max_rows // self.rows_per_block)
 
     def nbytes(self, n_rows: int, n_logits: int) -> int:
         """Host memory its first n_rows rows and n_logits logits rows take."""
@@ -198,12 +200,11 @@ class RequestBuffers:
 @dataclass
 class StepRows:
     """One step's rows for one group of requests: `tensor` is [hooks, rows, d] on the host (its
-    copy done when `event` is); request i owns rows offsets[i]:offsets[i]+counts[i]. For "arena"
-    it only marks where the step's write into the arena ends, which a result must wait for."""
+    copy done when `event` is); request i owns rows offsets[i]:offsets[i]+counts[i]."""
 
-    kind: str  # "rows", "logits", "sae", or "arena": rows the device wrote into arena blocks
-    tensor: torch.Tensor | None  # None for "arena"
-    event: Any  # torch.cuda.Event, or None when the tensor (or the arena write) is ready
+    kind: str  # "rows", "logits" or "sae"
+    tensor: torch.Tensor
+    event: Any  # torch.cuda.Event, or None when the tensor is ready
     requests: list[RequestBuffers]
     offsets: np.ndarray
     counts: np.ndarray
@@ -212,14 +213,11 @@ class StepRows:
 
     @property
     def nbytes(self) -> int:
-        """Host memory it holds until filed (rows the device wrote into the arena hold none)."""
-        return self.tensor.nbytes if self.tensor is not None else 0
+        """Host memory it holds until filed."""
+        return self.tensor.nbytes
 
     def file(self) -> None:
-        """Copy each request's rows into its buffer (the copy to host must be done); rows of
-        kind "arena" are in their blocks already."""
-        if self.kind == "arena":
-            return
+        """Copy each request's rows into its buffer (the copy to host must be done)."""
         data = _to_numpy(self.tensor)
         members = zip(self.requests, self.offsets.tolist(), self.counts.tolist(), self.dests.tolist())
         for member, (buffers, lo, n, dest) in enumerate(members):
@@ -375,6 +373,8 @@ class Outbox:
             self._current = item
             if isinstance(item, StepRows) and item.event is not None:
                 item.event.synchronize()  # releases the GIL while the copy runs
+            elif isinstance(item, tuple) and item[1].written is not None:
+                item[1].written.synchronize()  # the request's last rows are in the arena
             began = time.perf_counter()
             if isinstance(item, StepRows):
                 self._file(item)

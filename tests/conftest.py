@@ -30,6 +30,9 @@ def _on_gpu() -> bool:
 # pick kernels by batch size, so the GPU suite compares by relative error at TF32 precision and
 # cannot ask a request batched with others to be bit-identical to the same request alone.
 ON_GPU = _on_gpu()
+# bench/gpu/suite.sh ... quick: the shared engines compile without Inductor too (CUDA graphs still
+# on), so a check of the capture path fits a short device call
+QUICK_GPU_ENGINES = os.environ.get("CAPSERVE_QUICK_GPU_ENGINES") == "1"
 ACTIVATION_TOL = 1e-4
 LOGIT_TOL = 1e-3
 GPU_RELATIVE_TOL = 3e-3
@@ -132,7 +135,8 @@ def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str,
     async def start_all() -> list[Any]:
         dtypes = {arch: "auto" if arch == "gpt2" else "float32" for arch in ARCHS}
         return await asyncio.gather(*(
-            start_engine(tiny_models[a], name=f"engine-{a}", dtype=dtypes[a], armed_kinds=armed_with_attention(tiny_models[a]))
+            start_engine(tiny_models[a], name=f"engine-{a}", quick_compile=QUICK_GPU_ENGINES, dtype=dtypes[a],
+                         armed_kinds=armed_with_attention(tiny_models[a]))
             for a in ARCHS
         ))
 

@@ -311,10 +311,11 @@ def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_pa
     assert buffers.rows_per_block  # it files into the arena
     copy = SlowCopy()  # the device's write into the arena has not ended
     rows, counts, dests = torch.ones(len(HOOKS), 64, D_MODEL), np.array([64]), np.array([0])
-    index = outbox.writer.destinations([buffers], counts, dests, len(HOOKS)).index(torch.from_numpy)
+    destinations = outbox.writer.destinations([buffers], counts, dests, len(HOOKS))
+    _, index = destinations.index(torch.from_numpy(destinations.packed(np.arange(int(counts.sum())))))
     outbox.writer.write(rows, index.reshape(-1), None)
     buffers.n_rows = 64
-    outbox.put(StepRows("arena", None, copy, [buffers], np.array([0]), counts, dests))
+    buffers.written = copy
     outbox.finish("stuck", buffers)
     result = buffers.wait(0.1)
     assert result["replica_fault"] == OUTBOX_STUCK and "outbox_timeout_s" in result["error"]

@@ -4,7 +4,8 @@
 # and write a JUnit report. Two parts, each inside one device call (10 minutes):
 #   bash bench/gpu/suite.sh OUTDIR archs   # the architecture matrix beyond Llama/Qwen2/GPT-2, fp16/bf16
 #   bash bench/gpu/suite.sh OUTDIR core    # everything else, the three archs' matrix rows included
-#   bash bench/gpu/suite.sh OUTDIR capture # the capture path and attention internals alone (Llama), ~5 min
+#   bash bench/gpu/suite.sh OUTDIR capture # the capture path and attention internals alone (Llama), ~10 min
+#   bash bench/gpu/suite.sh OUTDIR quick   # the capture and intervention tests, engines without Inductor, ~4 min
 # Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,6 +20,9 @@ if [ "$part" = archs ]; then
 elif [ "$part" = capture ]; then
   tests=(tests/test_arena.py tests/test_engine_capture.py tests/test_attention.py tests/test_architectures.py
          -k "not test_architectures or (llama and (attention or pattern or per_head))")
+elif [ "$part" = quick ]; then
+  export CAPSERVE_QUICK_GPU_ENGINES=1
+  tests=(tests/test_arena.py tests/test_engine_capture.py tests/test_engine_interventions.py)
 else
   tests=(tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_engine_compiled.py tests/test_schemas.py
          tests/test_arena.py tests/test_engine_config.py tests/test_architectures.py -k "not test_architectures or llama or qwen2 or gpt2")
