@@ -125,17 +125,19 @@ def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
 def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int) -> dict[str, Any]:
     """GB/s of shard-sized safetensors files written into `folder` by `threads` threads, through
     the shard writer's own atomic write (temp name, fsync, rename); deleted afterwards."""
-    from replicas.shard_files import _atomic_write, write_safetensors
+    from replicas.shard_files import write_safetensors
+    from replicas.shard_store import open_store
 
     file_bytes = max(1 << 20, min(file_bytes, total_bytes // threads))
     files = max(threads, total_bytes // file_bytes)
     chunk = np.random.default_rng(0).integers(0, 255, file_bytes, dtype=np.uint8)
     probe = folder / "write-probe"
-    probe.mkdir(parents=True, exist_ok=True)
+    store = open_store(probe)
+    store.mkdir()
 
     def one(i: int) -> int:
         tensors = [("x", "int32", [file_bytes // 4], [chunk[: file_bytes // 4 * 4].view(np.int32)])]
-        return _atomic_write(probe / f"probe-{i:04d}.safetensors", lambda f: write_safetensors(f, tensors, {}))
+        return store.write_atomic(f"probe-{i:04d}.safetensors", lambda f: write_safetensors(f, tensors, {}))
 
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
