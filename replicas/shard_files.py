@@ -6,16 +6,14 @@ EngineReplica writing shards itself (`replicas.sink`) and the driver-side writer
 (`provider.dataset.harvest`) write byte-identical files through the same code.
 
 A shard is published atomically: the .jsonl index is renamed into place first and the
-.safetensors last, each written to a temporary name, fsynced and renamed; the .safetensors file
-is the commit.
+.safetensors last, each written to a temporary name and renamed (`replicas.shard_store` says
+what that means on each filesystem); the .safetensors file is the commit.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from replicas.arrays import DTYPES
+from replicas.shard_store import LocalStore, Store, open_store, write_json_to
 
 FORMAT = "capserve-capture/1"
 INDEX_TENSORS = ("capserve.line", "capserve.position", "capserve.token_id")
@@ -55,18 +54,18 @@ class LineRows:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def write_shard(folder: Path, k: int, lines: list[LineRows], hooks: list[str], dtype: str, d_model: int) -> int:
-    """Write shard k atomically (index first, tensors last: the tensors file is the commit).
-    Returns the bytes written."""
+def write_shard(folder: Path | str | Store, k: int, lines: list[LineRows], hooks: list[str], dtype: str, d_model: int) -> int:
+    """Write shard k atomically into a folder or fsspec URL (index first, tensors last: the
+    tensors file is the commit). Returns the bytes written."""
+    store = open_store(folder)
     lines = sorted(lines, key=lambda item: item.line)
     starts = np.cumsum([0] + [item.rows for item in lines])
     records = [{"line": item.line, "row": int(start), "rows": item.rows, **item.record} for item, start in zip(lines, starts)]
     index_text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
-    index_path = folder / f"{shard_name(k)}.jsonl"
-    _atomic_write(index_path, lambda f: f.write(index_text.encode()))
+    store.write_atomic(f"{shard_name(k)}.jsonl", lambda f: f.write(index_text.encode()))
     tensors = _shard_tensors(lines, hooks, dtype, d_model)
-    size = _atomic_write(folder / f"{shard_name(k)}.safetensors", lambda f: write_safetensors(f, tensors, {"format": FORMAT}))
-    _fsync_dir(folder)
+    size = store.write_atomic(f"{shard_name(k)}.safetensors", lambda f: write_safetensors(f, tensors, {"format": FORMAT}))
+    store.sync()
     return size + len(index_text)
 
 
@@ -104,26 +103,6 @@ def write_safetensors(f: Any, tensors: list[tuple[str, str, list[int], list[np.n
     return 8 + len(raw) + offset
 
 
-def _atomic_write(path: Path, write: Any) -> int:
-    # Unique per call: two writers of one shard (a retried job while the first still runs) never share a file.
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    with open(temp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name says the shard exists
-        size = f.tell()
-    os.replace(temp, path)
-    return size
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the renames themselves survive a power loss
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, value: dict[str, Any]) -> None:
-    _atomic_write(path, lambda f: f.write((json.dumps(value, indent=2) + "\n").encode()))
-    _fsync_dir(path.parent)
+    """A JSON file in a local folder, written atomically."""
+    write_json_to(LocalStore(path.parent), path.name, value)

@@ -5,9 +5,10 @@ replica runs them (concurrently, so the engine batches them), turns each result 
 publishes the shard itself (`replicas.shard_files`: safetensors, atomic publish). Only the
 `ShardIndex` (counts, no arrays) goes back. The bulk bytes never cross Ray's object store.
 
-- Folder: a `ShardJob.folder` is a URL. Local folders (a plain absolute path or `file://`) work
-  now; another scheme is refused with `InvalidRequestError` naming it. `sink_folder` is the one
-  place that turns a URL into somewhere to write, so an fsspec filesystem can be added there.
+- Folder: a `ShardJob.folder` is an absolute local path, a `file://` URL (both the local fast
+  path) or any fsspec URL whose backend is installed on the replica (`replicas.shard_store`). A
+  scheme fsspec does not know, a missing backend or a folder that does not exist is refused with
+  `InvalidRequestError` naming `folder`: the job fails, the replica goes on.
 - Bounded writers: shards go to disk on `ShardSink`'s own threads (`threads`), never on the
   replica's event loop, so requests keep flowing while a shard is written.
 - Backpressure: a job holds one of `max_unwritten` slots from its first request until its shard
@@ -23,7 +24,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -33,6 +33,7 @@ from replicas.api import GenerateResult
 from replicas.arrays import DTYPES
 from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError
 from replicas.shard_files import LineRows, write_shard
+from replicas.shard_store import LocalStore, Store, open_store
 
 Generate = Callable[[dict[str, Any]], Awaitable[GenerateResult]]
 SinkPolicy = Literal["wait", "refuse"]
@@ -62,7 +63,7 @@ class ShardJob(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    folder: str = Field(description="Where the shard goes: an absolute local path or a file:// URL.")
+    folder: str = Field(description="Where the shard goes: an absolute local path, a file:// URL or an fsspec URL (s3://...).")
     shard: int = Field(ge=0)
     spec: RowSpec
     d_model: int = Field(gt=0)
@@ -135,20 +136,21 @@ def empty_rows(line: int, spec: RowSpec, d_model: int, error: str) -> LineRows:
 # ---------------------------------------------------------------- the sink
 
 
-def sink_folder(url: str) -> Path:
-    """The local folder a job's URL names; the one place other filesystems would plug in."""
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme != "file":
-        raise InvalidRequestError(f"folder: {scheme}:// sinks are not supported yet (only local folders); use --sink driver")
-    path = Path(rest if sep else url)
-    if not path.is_absolute():
+def sink_folder(url: str) -> Store:
+    """The folder a job's URL names, checked to exist from this replica."""
+    store = open_store(url, "folder")
+    if isinstance(store, LocalStore) and not store.path.is_absolute():
         raise InvalidRequestError(f"folder: {url!r} must be absolute: the replica's working directory is not the caller's")
-    if not path.is_dir():
-        raise InvalidRequestError(f"folder: {path} does not exist on this replica's node; use --sink driver")
-    return path
+    try:
+        exists = store.is_dir()
+    except Exception as exc:  # noqa: BLE001  credentials, a network: the filesystem's own error, named
+        raise InvalidRequestError(f"folder: {url} cannot be reached from this replica: {exc!r}; use --sink driver") from None
+    if not exists:
+        raise InvalidRequestError(f"folder: {url} does not exist as seen from this replica; use --sink driver")
+    return store
 
 
-async def publish_shard(threads: Executor | None, folder: Path, k: int, lines: list[LineRows], hooks: list[str], dtype: str,
+async def publish_shard(threads: Executor | None, folder: Store, k: int, lines: list[LineRows], hooks: list[str], dtype: str,
                         d_model: int) -> int:
     """`write_shard` on one of `threads` (None: the loop's default executor), awaited to its end
     even when the awaiting task is cancelled; the cancellation then goes on. Both writers (this
@@ -188,7 +190,7 @@ class ShardSink:
         async with self._slots:
             yield
 
-    async def write(self, folder: Path, job: ShardJob, lines: list[LineRows]) -> int:
+    async def write(self, folder: Store, job: ShardJob, lines: list[LineRows]) -> int:
         return await publish_shard(self._threads, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model)
 
     def close(self) -> None:

@@ -55,8 +55,9 @@ class App:
         results = self.replicas.broadcast("identity").results(timeout_s=60, return_exceptions=True)
         return [r for r in results if isinstance(r, dict)]
 
-    def cli(self, source: Path, out: Path, *extra: str) -> subprocess.Popen:
-        command = [sys.executable, "-m", "provider.dataset.cli", "capture", str(source), "--out", str(out), "--hooks", HOOK,
+    def cli(self, source: Path, out: Path, *extra: str, url: str | None = None) -> subprocess.Popen:
+        """The CLI writing `out` (or `url`, when given; the log goes beside `out` either way)."""
+        command = [sys.executable, "-m", "provider.dataset.cli", "capture", str(source), "--out", url or str(out), "--hooks", HOOK,
                    "--positions", "prompt", "--no-progress", *extra]
         if "--http" not in extra:
             command += ["--address", self.gcs]
@@ -64,8 +65,8 @@ class App:
         with open(out.parent / f"{out.name}.log", "w") as log:  # the child keeps its own copy
             return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
-    def run_cli(self, source: Path, out: Path, *extra: str) -> None:
-        process = self.cli(source, out, *extra)
+    def run_cli(self, source: Path, out: Path, *extra: str, url: str | None = None) -> None:
+        process = self.cli(source, out, *extra, url=url)
         assert process.wait(timeout=900) == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
 
 
@@ -160,6 +161,18 @@ def test_driver_side_writer_writes_the_same_rows_as_the_replicas(app, source, re
     assert "driver-side writer" in got.manifest["backend"]
     assert_same_capture(got, reference)
     assert [r["prompt_token_ids"] for r in got.records()] == [r["prompt_token_ids"] for r in reference.records()]
+
+
+def test_replicas_write_an_fsspec_url_and_it_loads_back(app, source, reference, tmp_path):
+    # local:// is fsspec's LocalFileSystem, not the plain-path fast path: each replica (its own
+    # process) opens the URL with fsspec, writes temp names and publishes them with fs.mv.
+    url = f"local://{tmp_path}/fs"
+    app.run_cli(source, tmp_path / "fs", "--sink", "replica", "--shard-lines", "50", url=url)
+    got = load_capture(url)
+    assert got.folder == url and "replica-side writer" in got.manifest["backend"]
+    assert_same_capture(got, reference)
+    assert len({r["replica"] for r in got.records()}) == 2
+    assert not [p for p in (tmp_path / "fs").iterdir() if ".tmp-" in p.name or p.name == ".lock"]
 
 
 def test_replica_sink_refuses_a_bad_job_as_the_callers_error(app, tmp_path):

@@ -316,17 +316,17 @@ def test_replica_side_sinks_retry_a_lost_shard_and_resume_a_driver_folder(tmp_pa
 def slow_shard_writes(monkeypatch, shard: int, delay_s: float) -> threading.Event:
     """Shard `shard` takes `delay_s` longer to publish, whichever writer writes it (the delay sits
     in front of its commit, the .safetensors file); the event is set when its write has begun."""
-    import replicas.shard_files
+    from replicas.shard_store import LocalStore
 
-    began, atomic_write = threading.Event(), replicas.shard_files._atomic_write
+    began, atomic_write = threading.Event(), LocalStore.write_atomic
 
-    def slowly(path: Path, write):
-        if path.name == f"shard-{shard:06d}.safetensors":
+    def slowly(store: LocalStore, name: str, write):
+        if name == f"shard-{shard:06d}.safetensors":
             began.set()
             time.sleep(delay_s)
-        return atomic_write(path, write)
+        return atomic_write(store, name, write)
 
-    monkeypatch.setattr(replicas.shard_files, "_atomic_write", slowly)
+    monkeypatch.setattr(LocalStore, "write_atomic", slowly)
     return began
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from replicas.api import GenerateResult, ModelInfo
 from replicas.errors import CaptureFailedError, InvalidRequestError
+from replicas.shard_store import Store
 
 
 class Backend(Protocol):
@@ -39,7 +39,7 @@ class Backend(Protocol):
 class ShardBackend(Backend, Protocol):
     """A backend whose replicas can write shards themselves (replicas.sink)."""
 
-    def shares_folder(self, out: Path) -> bool:
+    def shares_folder(self, out: Store) -> bool:
         """Whether the replicas can write the folder `out`."""
 
     async def replicas(self) -> int: ...
@@ -74,13 +74,14 @@ class HandleBackend:
 
     # ------------------------------------------------------------ replica-side sinks (provider.dataset.remote)
 
-    def shares_folder(self, out: Path) -> bool:
-        """Whether the replicas can write `out`: a local folder, and every live node of the
-        cluster is this process's node (one machine). Another filesystem would answer here."""
+    def shares_folder(self, out: Store) -> bool:
+        """Whether the replicas can write `out`: a cluster filesystem (s3://...: the same URL
+        names the same storage on every node), or a node-local one (a folder, `local://`) when
+        every live node of the cluster is this process's node. Never `memory://` (per process)."""
         import ray
 
-        if "://" in str(out):
-            return False
+        if out.reach != "node":
+            return out.reach == "cluster"
         nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
         return nodes == [ray.get_runtime_context().get_node_id()]
 

@@ -53,7 +53,7 @@ def _capture_parser(commands: Any) -> None:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("input", type=Path, help="JSONL or plain-text prompts, one per line")
-    p.add_argument("--out", type=Path, required=True, help="output folder (created; reused to resume)")
+    p.add_argument("--out", required=True, help="output folder or fsspec URL, e.g. s3://bucket/acts (created; reused to resume)")
     p.add_argument("--hooks", required=True, help="comma-separated hook names, e.g. blocks.6.hook_resid_post,ln_final.hook_normalized")
     p.add_argument("--positions", default="all", help="all | prompt | generated | last_prompt | comma-separated ints "
                    "(negative count back from the prompt's end; write --positions=-2,-1); default all")
@@ -156,6 +156,7 @@ def make_backend(args: argparse.Namespace) -> Any:
 def cmd_capture(args: argparse.Namespace) -> int:
     from provider.dataset.manifest import ManifestMismatch
     from provider.dataset.options import LineFailed, SinkUnreachable
+    from replicas.errors import InvalidRequestError
 
     if not args.input.is_file():
         return _fail(f"input {args.input} is not a file", 2)
@@ -167,7 +168,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     try:
         backend.connect()
         summary = asyncio.run(_run(args, options, backend))
-    except (InputError, ManifestMismatch, SinkUnreachable, ConnectionError, LookupError) as exc:
+    except (InputError, ManifestMismatch, SinkUnreachable, InvalidRequestError, ConnectionError, LookupError) as exc:
         return _fail(str(exc), 2)
     except LineFailed as exc:
         return _fail(f"{exc}\nFinished shards are kept; rerun the same command to resume.", 1)

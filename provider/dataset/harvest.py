@@ -36,6 +36,7 @@ from provider.dataset.options import CaptureOptions, LineFailed
 from provider.dataset.shards import LineRows, finished_shards
 from replicas.api import GenerateResult, ModelInfo
 from replicas.errors import InvalidRequestError
+from replicas.shard_store import Store, open_store
 from replicas.sink import RowsMismatch, empty_rows, publish_shard, rows_of
 
 MAX_BACKOFF_S = 20.0
@@ -58,7 +59,7 @@ class Summary:
     elapsed_s: float = 0.0
     complete: bool = False
 
-    def text(self, out: Path) -> str:
+    def text(self, out: Path | str) -> str:
         rate = self.rows / self.elapsed_s if self.elapsed_s else 0.0
         split = ", ".join(f"{name}: {n}" for name, n in self.replicas.most_common()) or "none"
         state = "complete" if self.complete else "INCOMPLETE (rerun the same command to finish)"
@@ -103,10 +104,10 @@ class _Shard:
 class Harvester:
     """One run over one input into one folder. `run(lines)` returns the Summary."""
 
-    def __init__(self, out: Path, options: CaptureOptions, info: ModelInfo, backend: Backend, progress: Progress) -> None:
-        self.out, self.options, self.info, self.backend, self.progress = out, options, info, backend, progress
+    def __init__(self, out: Path | Store, options: CaptureOptions, info: ModelInfo, backend: Backend, progress: Progress) -> None:
+        self.out, self.options, self.info, self.backend, self.progress = open_store(out), options, info, backend, progress
         self.summary = Summary()
-        self.done = finished_shards(out)
+        self.done = finished_shards(self.out)
         self.summary.shards_done_before = len(self.done)
         self._open: dict[int, _Shard] = {}
         self._changed = asyncio.Event()

@@ -6,6 +6,7 @@ rerun that would mix shards of two different captures fails and names what diffe
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
@@ -25,36 +26,40 @@ from provider.dataset.shards import (
     remove_temporaries,
     shard_name,
     shard_rows,
-    write_json,
 )
 from replicas.api import ModelInfo
+from replicas.shard_store import LocalStore, Store, open_store, write_json_to
 
 
 class ManifestMismatch(ValueError):
     """The output folder was started with other options, another model or another input."""
 
 
-def open_folder(out: Path, options: CaptureOptions, info: ModelInfo, source: dict[str, Any], n_lines: int, backend: str) -> dict[str, Any]:
+def open_folder(out: Path | Store, options: CaptureOptions, info: ModelInfo, source: dict[str, Any], n_lines: int, backend: str) -> dict[str, Any]:
     """Create the folder and its manifest, or check that a rerun matches the one there."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / MANIFEST
-    if not path.exists():
-        if any(p.name.startswith("shard-") for p in out.iterdir()):  # not ours: never overwrite
+    out = open_store(out)
+    out.mkdir()
+    if not out.exists(MANIFEST):
+        if any(name.startswith("shard-") for name in out.names()):  # not ours: never overwrite
             raise ManifestMismatch(f"{out} holds shards but no {MANIFEST}; use an empty or new --out folder")
         manifest = new_manifest(options, info, source, n_lines, backend)
-        write_json(path, manifest)
+        write_json_to(out, MANIFEST, manifest)
         return manifest
-    manifest = json.loads(path.read_text())
+    manifest = json.loads(out.read_bytes(MANIFEST))
     check_resume(manifest, options, info, source, out)
     remove_temporaries(out)
     return manifest
 
 
-def lock_folder(out: Path) -> Any:
+def lock_folder(out: Path | Store) -> Any:
     """Hold an exclusive lock on the folder for the whole run (released when the process dies,
-    however it dies): two runs writing the same shards would only waste work, but say so."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "w")  # noqa: SIM115  held open for the run: the lock lives with it
+    however it dies): two runs writing the same shards would only waste work, but say so. fsspec
+    filesystems have no such lock: two runs on one URL go undetected (each shard stays whole)."""
+    out = open_store(out)
+    if not isinstance(out, LocalStore):
+        return contextlib.ExitStack()  # a handle whose close() has nothing to release
+    out.mkdir()
+    handle = open(out.path / ".lock", "w")  # noqa: SIM115  held open for the run: the lock lives with it
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -79,7 +84,7 @@ def new_manifest(options: CaptureOptions, info: ModelInfo, source: dict[str, Any
     }
 
 
-def check_resume(manifest: dict[str, Any], options: CaptureOptions, info: ModelInfo, source: dict[str, Any], out: Path) -> None:
+def check_resume(manifest: dict[str, Any], options: CaptureOptions, info: ModelInfo, source: dict[str, Any], out: Store) -> None:
     if manifest.get("format") != FORMAT:
         raise ManifestMismatch(f"{out}/{MANIFEST} has format {manifest.get('format')!r}, not {FORMAT!r}")
     wanted = {f"options.{k}": v for k, v in options.pinned().items()}
@@ -96,19 +101,20 @@ def check_resume(manifest: dict[str, Any], options: CaptureOptions, info: ModelI
         )
 
 
-def finish_manifest(out: Path, manifest: dict[str, Any], n_lines: int) -> bool:
+def finish_manifest(out: Path | Store, manifest: dict[str, Any], n_lines: int) -> bool:
     """Mark the folder complete when every shard of the input's `n_lines` lines exists."""
+    out = open_store(out)
     n_shards = math.ceil(n_lines / manifest["options"]["shard_lines"])
     complete = set(range(n_shards)) <= finished_shards(out)
     if complete:
         rows = sum(_rows_of(out, k) for k in range(n_shards))
         finished = datetime.now(UTC).isoformat(timespec="seconds")
-        write_json(out / MANIFEST, {**manifest, "n_lines": n_lines, "n_shards": n_shards, "rows": rows, "complete": True, "finished": finished})
+        write_json_to(out, MANIFEST, {**manifest, "n_lines": n_lines, "n_shards": n_shards, "rows": rows, "complete": True, "finished": finished})
     return complete
 
 
-def _rows_of(out: Path, k: int) -> int:
-    return shard_rows(out / f"{shard_name(k)}.safetensors")
+def _rows_of(out: Store, k: int) -> int:
+    return shard_rows(out, f"{shard_name(k)}.safetensors")
 
 
 def versions() -> dict[str, str]:

@@ -29,15 +29,16 @@ from provider.dataset.options import CaptureOptions, LineFailed, SinkUnreachable
 from provider.dataset.shards import finished_shards
 from replicas.api import ModelInfo
 from replicas.errors import InvalidRequestError
+from replicas.shard_store import LocalStore, Store, open_store
 from replicas.sink import JobLine, ShardIndex, ShardJob
 
 
-def choose_sink(options: CaptureOptions, out: Path, backend: Backend) -> str:
+def choose_sink(options: CaptureOptions, out: Path | Store, backend: Backend) -> str:
     """"replica" or "driver". auto: replica-side when the backend can reach the replicas' method
-    (the Serve handle) and every node of the cluster is this one, so `out` is theirs too."""
+    (the Serve handle) and the replicas see `out` as this process does (`shares_folder`)."""
     if options.sink == "driver":
         return "driver"
-    reachable = isinstance(backend, ShardBackend) and backend.shares_folder(out)
+    reachable = isinstance(backend, ShardBackend) and backend.shares_folder(open_store(out, "--out"))
     if options.sink == "replica" and not reachable:
         raise SinkUnreachable(f"--sink replica: the replicas cannot write to {out} (they need the Serve handle and this node); "
                          "use --sink driver or auto")
@@ -53,11 +54,13 @@ def shards_of(lines: Iterator[InputLine], shard_lines: int) -> Iterator[tuple[in
 class ShardSender:
     """One run over one input, each unfinished shard captured and written by a replica."""
 
-    def __init__(self, out: Path, options: CaptureOptions, info: ModelInfo, backend: ShardBackend, progress: Progress,
+    def __init__(self, out: Path | Store, options: CaptureOptions, info: ModelInfo, backend: ShardBackend, progress: Progress,
                  replicas: int) -> None:
-        self.out, self.options, self.info, self.backend, self.progress = out.resolve(), options, info, backend, progress
+        self.out, self.options, self.info, self.backend, self.progress = open_store(out), options, info, backend, progress
+        # The replicas' working directory is not ours: a local folder travels as an absolute path.
+        self.url = str(self.out.path.resolve()) if isinstance(self.out, LocalStore) else self.out.url
         self.summary = Summary()
-        self.done = finished_shards(out)
+        self.done = finished_shards(self.out)
         self.summary.shards_done_before = len(self.done)
         wanted = options.shards_in_flight or max(2 * replicas, math.ceil(options.concurrency / options.shard_lines))
         self._slots = asyncio.Semaphore(wanted)
@@ -107,7 +110,7 @@ class ShardSender:
     def _job(self, k: int, group: list[InputLine]) -> ShardJob:
         lines = [JobLine(line=item.line, id=item.id, request=self.options.engine_request(item.prompt))
                  for item in group if item.prompt is not None]
-        return ShardJob(folder=str(self.out), shard=k, spec=self.options.row_spec(), d_model=self.info.d_model, lines=lines,
+        return ShardJob(folder=self.url, shard=k, spec=self.options.row_spec(), d_model=self.info.d_model, lines=lines,
                         concurrency=min(self.options.concurrency, max(len(lines), 1)), skip_invalid=self.options.skip_invalid)
 
     async def _with_retries(self, job: ShardJob) -> ShardIndex:

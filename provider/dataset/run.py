@@ -4,11 +4,13 @@ Both writers share the folder's lock, its manifest (created, checked on a rerun,
 and the shard layout, so a folder begun by one resumes with the other. `options.sink` chooses
 (`provider.dataset.remote.choose_sink`): "replica" has the replicas write their own shards,
 "driver" has this process write them (`provider.dataset.harvest`); "auto" takes replica-side
-sinks when the app's replicas can reach `out`.
+sinks when the app's replicas can reach `out`. `out` is a local folder or any fsspec URL
+(`replicas.shard_store`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from provider.dataset.backends import Backend, ShardBackend
@@ -19,6 +21,7 @@ from provider.dataset.options import CaptureOptions
 from provider.dataset.remote import ShardSender, choose_sink
 from replicas.api import ModelInfo
 from replicas.hooks import resolve_hook
+from replicas.shard_store import Store, open_store
 
 
 def check_hooks(options: CaptureOptions, info: ModelInfo) -> None:
@@ -27,30 +30,32 @@ def check_hooks(options: CaptureOptions, info: ModelInfo) -> None:
 
 
 async def run_capture(
-    source: Path, out: Path, options: CaptureOptions, backend: Backend, progress: bool = True
+    source: Path, out: str | os.PathLike[str], options: CaptureOptions, backend: Backend, progress: bool = True
 ) -> Summary:
-    """Capture every line of `source` into `out` (resuming what is there); the CLI's core."""
+    """Capture every line of `source` into `out` (resuming what is there); the CLI's core.
+    An `out` no filesystem here can open raises InvalidRequestError naming --out."""
+    folder = open_store(out, "--out")
     info = await backend.info()
     check_hooks(options, info)
     n_lines = count_lines(source)
-    sink = choose_sink(options, out, backend)
-    lock = lock_folder(out)
+    sink = choose_sink(options, folder, backend)
+    lock = lock_folder(folder)
     try:
-        manifest = open_folder(out, options, info, fingerprint(source), n_lines, f"{backend.description}, {sink}-side writer")
+        manifest = open_folder(folder, options, info, fingerprint(source), n_lines, f"{backend.description}, {sink}-side writer")
         bar = Progress(n_lines, progress)
-        harvester = await _writer(sink, out, options, info, backend, bar)
+        harvester = await _writer(sink, folder, options, info, backend, bar)
         try:
             lines = read_input(source, options.input_format, skip=harvester.already_done)  # type: ignore[arg-type]
             summary = await harvester.run(lines)
         finally:
             bar.close()
-        summary.complete = finish_manifest(out, manifest, summary.lines)
+        summary.complete = finish_manifest(folder, manifest, summary.lines)
     finally:
         lock.close()
     return summary
 
 
-async def _writer(sink: str, out: Path, options: CaptureOptions, info: ModelInfo, backend: Backend, bar: Progress) -> Harvester | ShardSender:
+async def _writer(sink: str, out: Store, options: CaptureOptions, info: ModelInfo, backend: Backend, bar: Progress) -> Harvester | ShardSender:
     if sink == "driver" or not isinstance(backend, ShardBackend):
         return Harvester(out, options, info, backend, bar)
     return ShardSender(out, options, info, backend, bar, await backend.replicas())

@@ -256,7 +256,7 @@ def _side_record(capture: Capture, plan: ExportPlan) -> dict[str, Any]:
     record.pop("starts")
     return {
         "format": "capserve-saelens/1",
-        "source": str(Path(capture.folder).resolve()),
+        "source": str(capture.folder.resolve()) if isinstance(capture.folder, Path) else capture.folder,
         "model": manifest.get("model", {}).get("model"),
         "capture_options": manifest.get("options"),
         **record,

@@ -17,7 +17,9 @@ Shard k covers input lines [k * shard_lines, (k + 1) * shard_lines), so a rerun 
 lines a finished shard holds without reading it. A shard is finished exactly when its
 .safetensors file exists: the .jsonl is renamed into place first and the .safetensors last,
 each written to a temporary name, fsynced and renamed, so a crash leaves either a whole shard or
-no shard (plus a temporary file that the next run deletes).
+no shard (plus a temporary file that the next run deletes). The folder may be an fsspec URL
+(`replicas.shard_store`, which says what atomic means there); local folders are memory-mapped,
+other filesystems are read a shard at a time into memory.
 
 The .safetensors files are written and read here directly (8-byte header length, JSON header,
 raw little-endian data): the format is simple, bfloat16 needs no torch, and the loader maps the
@@ -28,7 +30,6 @@ This module imports neither Ray nor torch.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from collections import OrderedDict
@@ -50,6 +51,7 @@ from replicas.shard_files import (  # noqa: F401  (the writing half, re-exported
     write_safetensors,
     write_shard,
 )
+from replicas.shard_store import LocalStore, Store, is_temporary, open_store
 
 MANIFEST = "manifest.json"
 _NP_DTYPES = {code: DTYPES[name] for name, code in _ST_DTYPES.items()}
@@ -57,20 +59,21 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit
 _OPEN_SHARDS = 64  # each open map holds a file descriptor; keep well under `ulimit -n`
 
 
-def remove_temporaries(folder: Path) -> int:
+def remove_temporaries(folder: Path | str | Store) -> int:
     """Delete what an interrupted run left half-written; returns how many files."""
-    stale = [p for p in folder.iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
-    for path in stale:
-        path.unlink(missing_ok=True)
+    store = open_store(folder)
+    stale = [name for name in store.names() if is_temporary(name)]
+    for name in stale:
+        store.remove(name)
     return len(stale)
 
 
-def finished_shards(folder: Path) -> set[int]:
+def finished_shards(folder: Path | str | Store) -> set[int]:
     """Shard numbers whose .safetensors file (the commit) exists."""
     found = set()
-    for path in folder.glob("shard-*.safetensors"):
-        number = path.stem.removeprefix("shard-")
-        if number.isdigit():
+    for name in open_store(folder).names():
+        number = name.removeprefix("shard-").removesuffix(".safetensors")
+        if name.startswith("shard-") and name.endswith(".safetensors") and number.isdigit():
             found.add(int(number))
     return found
 
@@ -103,13 +106,12 @@ def tensors_from_buffer(buffer: Any) -> tuple[dict[str, np.ndarray], dict[str, s
     return out, metadata
 
 
-def map_shard(path: Path) -> dict[str, np.ndarray]:
-    """Read-only memory-mapped arrays of one shard file (one map; views share it)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise ValueError(f"{path} is empty")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return tensors_from_buffer(mapped)[0]
+def map_shard(path: Path | str, store: Store | None = None) -> dict[str, np.ndarray]:
+    """Read-only arrays of one shard file, views of one buffer (a memory map on a local folder).
+    `path` is the file, or its name in `store`."""
+    if store is None:
+        store, path = LocalStore(Path(path).parent), Path(path).name
+    return tensors_from_buffer(store.map(str(path)))[0]
 
 
 class RowArray:
@@ -168,10 +170,11 @@ class Capture:
     `capture.line/position/token_id` -> RowArray [rows] (row -> 0-based input line, token
     position, token id); `capture.records()` -> per-line index records (`row` global)."""
 
-    folder: Path
+    folder: Path | str  # as given: a path, or an fsspec URL
     manifest: dict[str, Any]
-    shards: list[Path]
+    shards: list[str]  # file names in the folder, in shard order
     row_starts: np.ndarray  # first global row of each shard, plus the total at the end
+    store: Store = field(repr=False, default=None)  # type: ignore[assignment]  # set by load_capture
     _maps: OrderedDict[int, dict[str, np.ndarray]] = field(default_factory=OrderedDict, repr=False)
 
     @property
@@ -201,8 +204,8 @@ class Capture:
 
     def records(self) -> Iterator[dict[str, Any]]:
         """Index records of every captured line in input order; `row` is the global first row."""
-        for shard, path in enumerate(self.shards):
-            with open(path.with_suffix(".jsonl")) as f:
+        for shard, name in enumerate(self.shards):
+            with self.store.open(name.removesuffix(".safetensors") + ".jsonl") as f:
                 for text in f:
                     record = json.loads(text)
                     record["row"] += int(self.row_starts[shard])
@@ -211,7 +214,7 @@ class Capture:
     def _tensor(self, shard: int, name: str) -> np.ndarray:
         maps = self._maps.get(shard)
         if maps is None:
-            maps = self._maps[shard] = map_shard(self.shards[shard])
+            maps = self._maps[shard] = map_shard(self.shards[shard], self.store)
             while len(self._maps) > _OPEN_SHARDS:
                 self._maps.popitem(last=False)  # views handed out keep their own map alive
         self._maps.move_to_end(shard)
@@ -219,16 +222,17 @@ class Capture:
 
 
 def load_capture(folder: str | os.PathLike[str], allow_partial: bool = False) -> Capture:
-    """Open a `capserve capture` output folder: memory-mapped arrays per hook plus the index.
+    """Open a `capserve capture` output folder (a path or an fsspec URL): arrays per hook
+    (memory-mapped on a local folder) plus the index.
 
     A folder whose run has not finished raises (naming the missing shards) unless
     `allow_partial=True`, which loads the finished shards only."""
-    root = Path(folder)
-    manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
+    store = open_store(folder, "folder")
+    root = store.path if isinstance(store, LocalStore) else store.url
+    if not store.exists(MANIFEST):
         raise FileNotFoundError(f"{root} has no {MANIFEST}; is it a `capserve capture --out` folder?")
-    manifest = json.loads(manifest_path.read_text())
-    numbers = sorted(finished_shards(root))
+    manifest = json.loads(store.read_bytes(MANIFEST))
+    numbers = sorted(finished_shards(store))
     if not manifest.get("complete") and not allow_partial:
         expected = manifest.get("n_shards")
         missing = sorted(set(range(expected)) - set(numbers)) if expected is not None else "unknown"
@@ -236,14 +240,14 @@ def load_capture(folder: str | os.PathLike[str], allow_partial: bool = False) ->
             f"the capture in {root} is not complete (finished shards: {len(numbers)}, missing: {missing}); "
             "rerun the same `capserve capture` command to finish it, or pass allow_partial=True"
         )
-    shards = [root / f"{shard_name(k)}.safetensors" for k in numbers]
-    counts = [shard_rows(path) for path in shards]
-    return Capture(root, manifest, shards, np.cumsum([0] + counts).astype(np.int64))
+    shards = [f"{shard_name(k)}.safetensors" for k in numbers]
+    counts = [shard_rows(store, name) for name in shards]
+    return Capture(root, manifest, shards, np.cumsum([0] + counts).astype(np.int64), store)
 
 
-def shard_rows(path: Path) -> int:
+def shard_rows(store: Store, name: str) -> int:
     """Rows of a finished shard, from its header alone."""
-    with open(path, "rb") as f:
+    with store.open(name) as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     return int(header["capserve.line"]["shape"][0])
