@@ -31,7 +31,7 @@ from replicas.plans import (
 )
 from replicas.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
 from replicas.sae import DeviceSae, encode_packed, packed_width, row_bytes
-from replicas.sites import Site
+from replicas.sites import Site, to_device
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_STEP_BYTES = 256 << 20  # EngineConfig.max_step_temp_bytes
@@ -292,7 +292,7 @@ class Collector:
         self._queue(kind, host, event, selection)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     def _hand_over(self, kind: str, picked: torch.Tensor, selection: Selection) -> None:
         """Start the copy to host on a side stream (the next step does not wait for it) into

@@ -14,7 +14,7 @@ import torch
 
 from replicas.plans import PHASE_MODES, EditPlan, concatenated_ranges, mode_code, selected_spans, value_rows
 from replicas.request_table import Batch, Columns, Entry, RequestTable
-from replicas.sites import Site, table_row
+from replicas.sites import Site, host_tensor, table_row, to_device
 
 # Per steered site: the slot of every row of the step, per stage ([stages, tokens]).
 Slots = dict[Site, np.ndarray]
@@ -64,8 +64,8 @@ class EditTable:
             if not free:
                 raise RuntimeError(f"all {self.edit_slots} edit slots of {site.point.canonical_name} are in use")
             shared = self._slot_users[content] = [free.pop(), 0]
-            # non_blocking: a blocking copy would wait for the step in flight on the GPU
-            site.table[edit.stage, shared[0]].copy_(torch.from_numpy(row), non_blocking=True)
+            # non_blocking from pinned memory: a blocking copy would wait for the step in flight on the GPU
+            site.table[edit.stage, shared[0]].copy_(host_tensor(row, self.device), non_blocking=True)
         shared[1] += 1
         edit.slot = shared[0]
         entry.slots.append(content)
@@ -154,15 +154,15 @@ class EditTable:
             if site in slots:
                 slot[:, :num_tokens] = slots[site]
                 self._dirty_rows[site] = num_tokens
-            site.slot[:, :width].copy_(torch.from_numpy(slot), non_blocking=True)
+            site.slot[:, :width].copy_(host_tensor(slot, self.device), non_blocking=True)
         for site in set(self._dirty_sets) | set(sets):
             width = max(self._dirty_sets.pop(site, 0), num_tokens if site in sets else 0)
             set_stage_and_row = np.stack([np.full(width, -1, dtype=np.int64), np.zeros(width, dtype=np.int64)])
             for stage, rows, shared_rows, values in sets.get(site, ()):
                 set_stage_and_row[0, rows] = stage
                 set_stage_and_row[1, rows] = shared_rows
-                site.values[torch.from_numpy(shared_rows)] = torch.from_numpy(values).to(self.device, site.values.dtype)
+                site.values[to_device(shared_rows, self.device)] = to_device(values, self.device).to(site.values.dtype)
             if site in sets:
                 self._dirty_sets[site] = num_tokens
-            site.set_stage[:width].copy_(torch.from_numpy(set_stage_and_row[0]), non_blocking=True)
-            site.set_row[:width].copy_(torch.from_numpy(set_stage_and_row[1]), non_blocking=True)
+            site.set_stage[:width].copy_(host_tensor(set_stage_and_row[0], self.device), non_blocking=True)
+            site.set_row[:width].copy_(host_tensor(set_stage_and_row[1], self.device), non_blocking=True)

@@ -132,6 +132,19 @@ class Site(nn.Module):
         return torch.where((self.set_stage[:n] == stage).unsqueeze(-1), values, x.to(h.dtype))
 
 
+def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The array as the source of a non-blocking copy to `device`. For a GPU it goes to pinned
+    memory first: from pageable memory the driver may wait for the stream (the step in flight)
+    before it stages the copy, which costs a step loop running ahead of the GPU its lead. The
+    caching host allocator reuses a pinned block only once the copy reading it has ended."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory() if device.type == "cuda" else tensor
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return host_tensor(array, device).to(device, non_blocking=True)
+
+
 def identity_row(d_model: int, per_column: bool = False) -> np.ndarray:
     vectors = 3 if per_column else 2
     row = np.zeros(vectors * d_model + 3, dtype=np.float32)
