@@ -33,6 +33,16 @@ LOCKED_REASON = (
 DEFAULT_ARENA_RESERVE_BYTES = {"gpu": 1 << 30, "cpu": 64 << 20}
 
 
+class StepProfile(BaseModel):
+    """Steps of the worker's step loop to profile (replicas/step_profile.py), and where the table goes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    first_step: int = Field(ge=0, description="First step of the window (the worker counts from 0 at start).")
+    steps: int = Field(gt=0, le=10_000, description="Steps the window spans.")
+    folder: str = Field(description="Folder, on the engine's node, that receives step_profile-<pid>.txt.")
+
+
 class EngineConfig(BaseModel):
     """Settings of one replica's engine. `engine_kwargs` passes any other vLLM `AsyncEngineArgs`."""
 
@@ -113,6 +123,11 @@ class EngineConfig(BaseModel):
         300.0, gt=0,
         description="The health check fails when requests are running and none got output for this long (a wedged "
         "engine core); above take_timeout_s, since a take holds the engine core between two steps.",
+    )
+    step_profile: StepProfile | None = Field(
+        None,
+        description="Profile these steps of the worker's step loop with torch.profiler and write the table of ops "
+        "(replicas/step_profile.py) into its folder: where a step's time goes. None: off.",
     )
     allow_unverified_vllm: bool = Field(
         False, description="Run on a vLLM release capserve's internals were not verified on (replicas/_vllm.py)."
@@ -219,6 +234,7 @@ class EngineConfig(BaseModel):
                 else DEFAULT_ARENA_RESERVE_BYTES["cpu" if on_cpu else "gpu"],
                 "max_step_temp_bytes": self.max_step_temp_bytes,
                 "outbox_timeout_s": self.outbox_timeout_s,
+                "step_profile": self.step_profile.model_dump() if self.step_profile is not None else None,
                 "eager": eager,
                 "spill_dir": spill_dir,
                 "owner": owner,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from typing import Any
 
@@ -40,6 +40,7 @@ from replicas.outbox import DEAD, Outbox, RequestBuffers
 from replicas.plans import PLAN_KEY
 from replicas.request_table import NEW, UNPLANNED, Batch, Entry, RequestTable
 from replicas.sae import load_saes
+from replicas.step_profile import StepProfiler
 
 
 class _CaptureState:
@@ -72,17 +73,21 @@ class _CaptureState:
         self._batch: Batch | None = None
         self.steps = 0
         self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0}
+        self.profiler = StepProfiler.maybe(options, on_gpu=self.device.type == "cuda")
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
         began = time.perf_counter()
         try:
-            yield
+            with self.profiler.phase(phase) if self.profiler is not None else nullcontext():
+                yield
         finally:
             self.seconds[phase] += time.perf_counter() - began
 
     def before_step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.at_step(self.steps)
         with self._timed("prepare"):
             self._prepare()
 

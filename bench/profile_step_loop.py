@@ -1,0 +1,88 @@
+"""Where the worker's step loop spends its time: one capserve engine, one case, profiled.
+
+    python -m bench.profile_step_loop --config llama8b --case z-capture --out DIR   # GPU host, ~3 min
+    python -m bench.profile_step_loop --config llama8b --case bulk --out DIR
+    python -m bench.profile_step_loop --config tiny --case z-capture --first-step 40 --steps 20   # CPU check
+
+The engine starts with `step_profile` (replicas/step_profile.py) set to a window of steps past
+warm-up, then runs the case's batch until the worker has written its table of ops,
+`step_profile-<pid>.txt` in `--out`: by self CPU time and by total CPU time, with capserve's
+phases as `capserve.prepare` and `capserve.collect`. Cases:
+  z-armed, z-capture, z-ablate   the `bench_side_by_side` z engine's three cases (32 x (512 + 256))
+  bulk                           `bench_bandwidth`'s capture: resid_post at every layer and position, bf16
+                                 (64 x (512 + 16))
+The engine's step-loop timers (`stats`) go beside it, in step_profile_<case>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.bench_side_by_side import capserve_submit, deployments, start_capserve
+from bench.common import CONFIGS, VOCAB, Workload, dummy_model_folder, engine_settings, model_shape
+
+Z_CASES = {"z-armed": "hook_z armed, unused", "z-capture": "capture hook_z 1 layer, all positions (bf16)",
+           "z-ablate": "ablate 1 head of hook_z, 1 layer"}
+
+
+def case_setup(case: str, config: str) -> tuple[dict[str, Any], dict[str, Any], Workload]:
+    """(engine fields, request fields, workload) of a case."""
+    n_layers = model_shape(config)["n_layers"]
+    small = config == "tiny"
+    if case == "bulk":
+        hooks = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
+        workload = Workload("bulk", 8 if small else 64, 64 if small else 512, 16)
+        return ({"armed_kinds": ["resid_post"], "steer_kinds": []},
+                {"capture": {"hooks": hooks, "positions": "all", "dtype": "bfloat16"}}, workload)
+    fields, cases = deployments(n_layers, None)["z"]
+    return fields, cases[Z_CASES[case]], Workload("z", 16 if small else 32, 64 if small else 512, 32 if small else 256)
+
+
+async def profile(args: argparse.Namespace) -> dict[str, Any]:
+    fields, extra, workload = case_setup(args.case, args.config)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    window = {"first_step": args.first_step, "steps": args.steps, "folder": str(out)}
+    settings = engine_settings(args.config) | {"gpu_memory_utilization": args.memory_share}
+    engine = await start_capserve(dummy_model_folder(args.config), settings, fields | {"step_profile": window})
+    submit = capserve_submit(engine, workload, extra)
+    prompts = workload.prompt_ids(vocab=VOCAB)
+    before = set(out.glob("step_profile-*.txt"))
+    try:
+        for batch in range(args.max_batches):
+            started = time.perf_counter()
+            await asyncio.gather(*(submit(p) for p in prompts))
+            stats = await engine.stats()
+            print(f"batch {batch}: {time.perf_counter() - started:.2f} s, worker at step {stats['steps']}", flush=True)
+            written = set(out.glob("step_profile-*.txt")) - before
+            if written:
+                return {"case": args.case, "config": args.config, "window": window, "table": str(written.pop()), "stats": stats}
+        raise RuntimeError(f"the worker never reached step {args.first_step + args.steps} in {args.max_batches} batches")
+    finally:
+        await engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="llama8b", choices=CONFIGS)
+    parser.add_argument("--case", default="z-capture", choices=[*Z_CASES, "bulk"])
+    parser.add_argument("--first-step", type=int, default=300, help="past the warm-up batch's steps")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--max-batches", type=int, default=10)
+    parser.add_argument("--memory-share", type=float, default=0.5)
+    parser.add_argument("--out", default="step_profile")
+    args = parser.parse_args()
+    result = asyncio.run(profile(args))
+    path = Path(args.out) / f"step_profile_{args.case}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(Path(result["table"]).read_text()[:6000])
+    print(f"wrote {result['table']} and {path}")
+
+
+if __name__ == "__main__":
+    main()

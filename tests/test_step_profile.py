@@ -1,0 +1,26 @@
+"""The step loop's profiler window (replicas/step_profile.py), without an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from replicas.engine_config import StepProfile
+from replicas.step_profile import StepProfiler
+
+
+def test_the_window_covers_exactly_its_steps_and_names_capserve_phases(tmp_path):
+    profiler = StepProfiler(StepProfile(first_step=2, steps=3, folder=str(tmp_path)), on_gpu=False)
+    x = torch.ones(32, 32)
+    for step in range(8):
+        profiler.at_step(step)
+        with profiler.phase("collect"):
+            x = x @ x / 32
+    assert profiler.written is not None and Path(profiler.written).parent == tmp_path
+    table = Path(profiler.written).read_text()
+    assert table.startswith("steps 2..4, by self CPU time")
+    collect = next(line for line in table.splitlines() if line.strip().startswith("capserve.collect"))
+    assert collect.split()[-1] == "3"  # # of Calls: steps 2, 3 and 4 only
+    mm = next(line for line in table.splitlines() if line.strip().startswith("aten::mm"))
+    assert mm.split()[-1] == "3"
