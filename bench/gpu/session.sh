@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device session's benchmarks, in order, detached from the device call that starts them (each
+# call lasts at most 10 minutes; poll /tmp/results/progress from the next ones, with no gap over 30 s:
+# an idle machine goes back, and its /tmp with it). On the GPU host, after ../shared/gpu/install.sh
+# unpacked the bundle into /tmp/site and the tree was copied to /tmp/work:
+#   cd /tmp/work && (setsid nohup bash bench/gpu/session.sh quick sbs32 profile bw dataset > /tmp/session.log 2>&1 &)
+# Parts (minutes on an H200, engine starts included):
+#   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
+#   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
+#   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3)
+#   bw       bench_bandwidth --via engine-inplace serve (6)
+#   dataset  bench_dataset, one replica, cases a b c (8)
+# Copy /tmp/results/* to $OUT in each poll, so a lost machine loses nothing already measured.
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+R=${RESULTS:-/tmp/results}; mkdir -p "$R"
+step() { echo "$(date +%T) start $1" >> "$R/progress"; shift; "$@"; echo "$(date +%T) rc=$?" >> "$R/progress"; }
+for part in "$@"; do
+  case $part in
+    quick) step quick bash bench/gpu/suite.sh "$R" quick > "$R/quick.log" 2>&1 ;;
+    sbs) step sbs python3 -m bench.bench_side_by_side --config llama8b --deployments z --rounds 3 --out "$R" > "$R/sbs.log" 2>&1 ;;
+    sbs32) step sbs32 python3 -m bench.bench_side_by_side --config llama8b --deployments z --workloads 32x512+256 \
+             --rounds 3 --out "$R" > "$R/sbs32.log" 2>&1 ;;
+    profile) for case in z-capture z-ablate bulk; do
+               step "profile $case" python3 -m bench.profile_step_loop --config llama8b --case $case --out "$R" \
+                 > "$R/profile_$case.log" 2>&1
+             done ;;
+    bw) step bw python3 -m bench.bench_bandwidth --config llama8b --via engine-inplace serve --out "$R" > "$R/bw.log" 2>&1 ;;
+    dataset) step dataset python3 -m bench.bench_dataset --config llama8b --replicas 1 --out "$R" > "$R/dataset.log" 2>&1 ;;
+    *) echo "unknown part $part" >> "$R/progress" ;;
+  esac
+done
+echo ALLDONE >> "$R/progress"
