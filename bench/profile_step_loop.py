@@ -6,8 +6,8 @@
 
 The engine starts with `step_profile` (replicas/step_profile.py) set to a window of steps past
 warm-up, then runs the case's batch until the worker has written its table of ops,
-`step_profile-<pid>.txt` in `--out`: by self CPU time and by total CPU time, with capserve's
-phases as `capserve.prepare` and `capserve.collect`. Cases:
+`step_profile-<pid>.txt` in `--out`: the window's garbage collections, then ops by self CPU time
+and by total CPU time, with capserve's phases as `capserve.prepare` and `capserve.collect`. Cases:
   z-armed, z-capture, z-ablate   the `bench_side_by_side` z engine's three cases (32 x (512 + 256))
   bulk                           `bench_bandwidth`'s capture: resid_post at every layer and position, bf16
                                  (64 x (512 + 16))

@@ -3,14 +3,17 @@
 `EngineConfig.step_profile` names the steps (counted by the worker from its start, warm-up runs
 excluded) and a folder. Over those steps the profiler records CPU ops (and CUDA kernels on a
 GPU); capserve's own phases show as `capserve.prepare` and `capserve.collect`. When the window
-closes the worker writes `step_profile-<pid>.txt` there: the ops by their own CPU time, then by
-their total CPU time (what each phase spent, waits included). A table, not a trace: a
+closes the worker writes `step_profile-<pid>.txt` there: Python's garbage collections in the
+window (a pause inside a phase shows as that phase's own CPU time), then the ops by their own CPU
+time and by their total CPU time (what each phase spent, waits included). A table, not a trace: a
 trace of a few hundred steps runs to hundreds of MB.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -31,6 +34,8 @@ class StepProfiler:
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler: Any = None
         self.written: str | None = None
+        self.collections: dict[int, list[float]] = {}  # generation -> seconds of each collection
+        self._collecting_since = 0.0
 
     @classmethod
     def maybe(cls, options: dict[str, Any], on_gpu: bool) -> StepProfiler | None:
@@ -42,10 +47,18 @@ class StepProfiler:
         if step == self.profile.first_step and self._profiler is None and self.written is None:
             self._profiler = torch.profiler.profile(activities=self.activities)
             self._profiler.__enter__()
+            gc.callbacks.append(self._on_gc)
         elif step == self.profile.first_step + self.profile.steps and self._profiler is not None:
+            gc.callbacks.remove(self._on_gc)
             self._profiler.__exit__(None, None, None)
             self.written = self._write(self._profiler.key_averages())
             self._profiler = None
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._collecting_since = time.perf_counter()
+        else:
+            self.collections.setdefault(info["generation"], []).append(time.perf_counter() - self._collecting_since)
 
     def phase(self, name: str) -> AbstractContextManager[Any]:
         """A labelled range while the window is open; nothing otherwise."""
@@ -56,7 +69,12 @@ class StepProfiler:
     def _write(self, averages: Any) -> str:
         path = os.path.join(self.profile.folder, f"step_profile-{os.getpid()}.txt")
         header = f"steps {self.profile.first_step}..{self.profile.first_step + self.profile.steps - 1}"
+        collected = ", ".join(
+            f"generation {g}: {len(t)} taking {sum(t) * 1e3:.2f} ms (longest {max(t) * 1e3:.2f})"
+            for g, t in sorted(self.collections.items())
+        )
         with open(path, "w") as out:
+            out.write(f"{header}, garbage collections: {collected or 'none'}\n\n")
             out.write(f"{header}, by self CPU time\n{averages.table(sort_by='self_cpu_time_total', row_limit=ROWS)}\n")
             out.write(f"{header}, by total CPU time\n{averages.table(sort_by='cpu_time_total', row_limit=ROWS)}\n")
         return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -17,9 +18,12 @@ def test_the_window_covers_exactly_its_steps_and_names_capserve_phases(tmp_path)
         profiler.at_step(step)
         with profiler.phase("collect"):
             x = x @ x / 32
+        gc.collect(1)  # one generation-1 collection a step, three in the window
     assert profiler.written is not None and Path(profiler.written).parent == tmp_path
     table = Path(profiler.written).read_text()
-    assert table.startswith("steps 2..4, by self CPU time")
+    first_line = table.splitlines()[0]
+    assert first_line.startswith("steps 2..4, garbage collections:") and "generation 1: 3 taking" in first_line
+    assert "steps 2..4, by self CPU time" in table
     collect = next(line for line in table.splitlines() if line.strip().startswith("capserve.collect"))
     assert collect.split()[-1] == "3"  # # of Calls: steps 2, 3 and 4 only
     mm = next(line for line in table.splitlines() if line.strip().startswith("aten::mm"))
