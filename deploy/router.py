@@ -15,6 +15,9 @@ Handle methods (Python callers, the provider and the client):
 own result object instead of values: the payload then never passes through the router (`await
 ref` in the caller reads it from the object store, zero-copy for the arrays on one node). By
 value, the router still copies no array itself; Ray serializes the result once more on return.
+`by_reference="auto"` (what `CaptureClient` and the inspect provider ask for) returns a reference
+for a result carrying at least `deploy.handle_args.AUTO_REFERENCE_BYTES` of arrays, the value otherwise: a small
+result by value saves the caller a second round trip to fetch it.
 
 What the router guarantees:
 - validation before any replica is chosen: `InvalidRequestError` naming the field;
@@ -41,7 +44,7 @@ from abc import ABC, abstractmethod
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from replicas.api import CaptureSpec, GenerateRequest, ModelInfo
+from replicas.api import GenerateRequest, ModelInfo
 from replicas.cost import request_cost
 from replicas.errors import (
     BackPressureError,
@@ -54,6 +57,7 @@ from replicas.validation import validated
 
 from deploy.admission import AdmissionQueue, AttemptFailed, AttemptTimedOut, Deadline, Gate, within
 from deploy.balance import CostLedger, RouteHint
+from deploy.handle_args import ByReference, capture_request, check_by_reference, wants_reference
 from deploy.config import RouterConfig
 from replicas.error_messages import describe, public_message, quiet_client_errors, remote_cause
 from deploy.readiness import FleetStates, ReadinessProbe, ReadyStatus, serve_fleet_states
@@ -219,8 +223,9 @@ class Router:
 
     # ------------------------------------------------------------ handle methods
 
-    async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False, options: Any = None) -> Any:
+    async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: ByReference = False, options: Any = None) -> Any:
         """`options`: `replicas.streaming.CallOptions` for the replica (the OpenAI routes set them)."""
+        check_by_reference(by_reference)
         request = validated(request)
         async with within(self._deadline()) as deadline:
             await self._check_model_limits(request)
@@ -255,21 +260,23 @@ class Router:
 
             await self._submit("generate_stream", request, False, deadline, attempt=attempt)
 
-    async def capture(self, request: GenerateRequest | dict[str, Any], by_reference: bool = False) -> Any:
+    async def capture(self, request: GenerateRequest | dict[str, Any], by_reference: ByReference = False) -> Any:
         """Prompt activations only. The request must carry `capture`; it runs with max_tokens=1
         and temperature 0 (one forward over the prompt; the sampled token is discarded), and
         `capture.positions` defaults to "prompt". A max_tokens other than 1 is refused: use
         generate() to sample."""
+        check_by_reference(by_reference)
         request = capture_request(request)
         async with within(self._deadline()) as deadline:
             self._admit(1)
             return await self._submit("generate", request, by_reference, deadline)
 
-    async def capture_batch(self, requests: list[Any], by_reference: bool = False) -> list[Any]:
+    async def capture_batch(self, requests: list[Any], by_reference: ByReference = False) -> list[Any]:
         """capture() for every request, spread over the replicas; results in input order. The
         batch is admitted whole or refused whole (BackPressureError); one larger than the queue
         could never be admitted and is refused as a client error. If one request fails, the others
         are cancelled and the error names its index. One deadline covers the whole batch."""
+        check_by_reference(by_reference)
         if not isinstance(requests, list):
             raise InvalidRequestError(f"requests: expected a list of capture requests, got {type(requests).__name__}")
         if len(requests) > self._config.max_batch_size:
@@ -358,7 +365,7 @@ class Router:
             raise
 
     async def _submit_item(
-        self, index: int, request: GenerateRequest, by_reference: bool, deadline: Deadline, state: "_Attempts"
+        self, index: int, request: GenerateRequest, by_reference: ByReference, deadline: Deadline, state: "_Attempts"
     ) -> Any:
         try:
             return await self._submit("generate", request, by_reference, deadline, state)
@@ -366,7 +373,7 @@ class Router:
             raise type(remote_cause(exc))(f"requests[{index}]: {public_message(exc)}") from None
 
     async def _submit(
-        self, method: str, request: GenerateRequest | ShardJob, by_reference: bool, deadline: Deadline,
+        self, method: str, request: GenerateRequest | ShardJob, by_reference: ByReference, deadline: Deadline,
         state: "_Attempts | None" = None, *, options: Any = None, attempt: Callable[[ReplicaSlot], Awaitable[Any]] | None = None,
         cost: float | None = None,
     ) -> Any:
@@ -395,7 +402,7 @@ class Router:
                         if attempt is not None:  # streaming: the attempt forwards items itself
                             return await attempt(slot)
                         value, ref = await self._run(slot, method, request, deadline, options)
-                        return ref if by_reference else value
+                        return ref if wants_reference(by_reference, value) else value
                 except AttemptFailed as failed:
                     self._metrics.retries.inc()
                     state.failures.append(f"replica {failed.replica}: {describe(failed.cause)}")
@@ -456,35 +463,6 @@ class Router:
             prompt_token_weight=routing.prompt_token_weight,
             capture_bytes_per_token=routing.capture_bytes_per_token,
         )
-
-
-def capture_request(request: GenerateRequest | dict[str, Any], where: str = "") -> GenerateRequest:
-    """A capture() request: capture required, max_tokens 1, greedy, positions default "prompt"."""
-    if isinstance(request, GenerateRequest):
-        given = request.model_fields_set
-        max_tokens = request.max_tokens if "max_tokens" in given else None
-        capture = request.capture
-        positions_given = capture is not None and "positions" in capture.model_fields_set
-    elif isinstance(request, dict):
-        max_tokens = request.get("max_tokens")
-        capture = request.get("capture")
-        positions_given = isinstance(capture, dict) and "positions" in capture
-    else:
-        return validated(request, where)  # raises, naming the type
-    if capture is None:
-        raise InvalidRequestError(
-            f"{where}capture: capture() needs a capture spec, e.g. {{'hooks': ['blocks.0.hook_resid_post']}}; "
-            "use generate() for text only"
-        )
-    if max_tokens not in (None, 1):
-        raise InvalidRequestError(
-            f"{where}max_tokens: capture() runs the prompt only (max_tokens=1), got {max_tokens}; use generate() to sample"
-        )
-    request = validated(request, where)
-    spec: CaptureSpec = request.capture  # type: ignore[assignment]
-    if not positions_given:
-        spec = spec.model_copy(update={"positions": "prompt"})
-    return request.model_copy(update={"max_tokens": 1, "temperature": 0.0, "capture": spec})
 
 
 def _node_id() -> str | None:

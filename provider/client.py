@@ -35,7 +35,7 @@ import itertools
 import threading
 import time
 from collections.abc import Coroutine, Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from provider._serve import AppConnection, classify, unwrap
 from provider.dataset.shards import load_capture  # noqa: F401  (re-exported: what `capserve capture` wrote)
@@ -53,11 +53,12 @@ Request = GenerateRequest | dict[str, Any]
 class CaptureClient:
     """Sync and async access to a capserve app; see the module docstring.
 
-    `by_reference=True` fetches each result straight from the replica's object in Ray's object
-    store (the Router never holds the payload; arrays are read-only zero-copy views on the same
-    node): worth it for large captures. `handle`: use this app handle instead of looking
-    `app` up (e.g. the one `serve.run` returned). `timeout_s`: the most one call may take,
-    retries included (None: no limit of its own; the router's deadline still applies).
+    `by_reference`: "auto" (the default) fetches each result of 1 MiB of arrays or more straight
+    from the replica's object in Ray's object store (the Router never passes the payload on; arrays
+    are read-only zero-copy views on the same node), smaller ones by value; True does so for every
+    result, False for none. `handle`: use this app handle instead of looking `app` up (e.g. the
+    one `serve.run` returned). `timeout_s`: the most one call may take, retries included (None: no
+    limit of its own; the router's deadline still applies).
     """
 
     def __init__(
@@ -67,12 +68,14 @@ class CaptureClient:
         *,
         retries: int = 5,
         backoff_s: float = 0.5,
-        by_reference: bool = False,
+        by_reference: bool | Literal["auto"] = "auto",
         handle: Any = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}; use a positive number of seconds, or None for no limit")
+        if by_reference not in (True, False, "auto"):
+            raise ValueError(f"by_reference={by_reference!r}; use True, False or 'auto'")
         self._conn = AppConnection(app, address, handle)
         self.timeout_s = timeout_s
         self.retries = retries
@@ -278,11 +281,11 @@ class CaptureClient:
     async def _attempts(self, method: str, request: Request) -> GenerateResult:
         handle = await self._ahandle()
         for attempt in itertools.count():
-            kwargs = {"by_reference": True} if self.by_reference else {}
+            kwargs = {"by_reference": self.by_reference} if self.by_reference else {}
             response = getattr(handle, method).remote(request, **kwargs)
             try:
                 result = await response
-                return await result if self.by_reference else result
+                return result if isinstance(result, GenerateResult) else await result  # a reference
             except asyncio.CancelledError:
                 response.cancel()
                 raise

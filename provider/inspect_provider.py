@@ -144,9 +144,11 @@ class CapserveAPI(ModelAPI):
         if tl_call is not None:
             request = tl_call.request([chat_message(m) for m in input], config, await self._model_info(handle))
         started = time.monotonic()
-        response = handle.generate.remote(request)
+        response = handle.generate.remote(request, by_reference="auto")  # large captures skip the Router's copy
         try:
             result: GenerateResult = await response
+            if not isinstance(result, GenerateResult):
+                result = await result  # the replica's own object
         except asyncio.CancelledError:
             response.cancel()  # inspect gave up on the call (timeout): free the engine's slot too
             raise

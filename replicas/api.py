@@ -431,6 +431,12 @@ class GenerateResult(BaseModel):
     def activation_bytes(self) -> int:
         return sum(a.nbytes for a in self.activations.values())
 
+    def __getstate__(self) -> dict[Any, Any]:
+        # Ray pickles results; bfloat16 arrays would otherwise be copied on every hop
+        state = super().__getstate__()
+        state["__dict__"] = {**state["__dict__"], "activations": {k: arrays.out_of_band(a) for k, a in self.activations.items()}}
+        return state
+
 
 class AttentionInfo(BaseModel):
     """The model's attention as its engine runs it; lists hold one value per layer."""

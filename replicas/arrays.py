@@ -91,6 +91,32 @@ def is_encoded_array(value: Any) -> bool:
     return isinstance(value, dict) and {"dtype", "shape", "data"} <= value.keys()
 
 
+class OutOfBand:
+    """Pickles an array of a user-defined dtype (bfloat16) as a view of its bits, so it travels
+    out-of-band. numpy pickles such dtypes in-band: Ray then copies the data into the pickle
+    stream, and every process that loads the result copies it again, where a builtin dtype is a
+    zero-copy view of the object store on one node."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __reduce__(self) -> tuple[Any, tuple[np.ndarray, str]]:
+        bits = self.array.view(np.dtype(f"u{self.array.dtype.itemsize}"))
+        return _viewed_as, (bits, dtype_name(self.array))
+
+
+def _viewed_as(bits: np.ndarray, dtype: str) -> np.ndarray:
+    return bits.view(DTYPES[dtype])
+
+
+def out_of_band(array: np.ndarray) -> np.ndarray | OutOfBand:
+    """What to pickle for `array`: itself when numpy pickles it out-of-band already."""
+    user_defined = array.dtype.isbuiltin == 2  # ml_dtypes' bfloat16
+    return OutOfBand(array) if user_defined else array
+
+
 def unit(vector: np.ndarray) -> np.ndarray:
     """The float32 unit vector along `vector`, its norm taken in float64 so tiny vectors do not
     underflow to a zero norm (the request schema refuses zero vectors)."""

@@ -10,12 +10,14 @@ import random
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 
 from deploy.balance import RouteHint
 from deploy.readiness import FleetStates
-from deploy.router import ReplicaPool, ReplicaSlot, Router, capture_request
-from replicas.api import GenerateRequest, ModelInfo
+from deploy.handle_args import capture_request
+from deploy.router import ReplicaPool, ReplicaSlot, Router
+from replicas.api import GenerateRequest, GenerateResult, ModelInfo
 from replicas.errors import BackPressureError, InvalidRequestError, ReplicaUnavailableError
 
 ANSI_RED = "\x1b[31m"
@@ -119,6 +121,35 @@ def test_capture_request_runs_the_prompt_only():
         capture_request({"prompt": "x"})
     with pytest.raises(InvalidRequestError, match=r"requests\[3\]\.capture"):
         capture_request({"prompt": "x"}, where="requests[3].")
+
+
+def test_by_reference_auto_sends_large_results_by_reference_and_small_ones_by_value():
+    def result(activations: dict[str, np.ndarray], logits: np.ndarray | None = None) -> GenerateResult:
+        return GenerateResult(request_id="r", text="", token_ids=[], prompt_token_ids=[],
+                              finish_reason="length", choices=[], activations=activations, logits=logits)
+
+    async def sized(replica: str, request: GenerateRequest) -> GenerateResult:
+        rows = int(request.prompt)  # 1 MiB at 256 rows x 1024 float32
+        if request.logits is not None:
+            return result({}, np.zeros((rows, 1024), np.float32))
+        return result({"blocks.0.hook_resid_post": np.zeros((rows, 1024), np.float32)})
+
+    async def main():
+        router = Router(FakePool(["a"], sized), {})
+        small = await router.capture({"prompt": "255", "capture": CAPTURE}, by_reference="auto")
+        assert isinstance(small, GenerateResult) and small.activation_bytes == (1 << 20) - 4096
+        large = await router.capture({"prompt": "256", "capture": CAPTURE}, by_reference="auto")
+        assert isinstance(large, str) and large.startswith("ref:")
+        logits = await router.generate({"prompt": "256", "logits": {"positions": "all"}}, by_reference="auto")
+        assert isinstance(logits, str) and logits.startswith("ref:")
+        batch = await router.capture_batch([{"prompt": n, "capture": CAPTURE} for n in ("1", "300")], by_reference="auto")
+        assert isinstance(batch[0], GenerateResult) and isinstance(batch[1], str)
+        assert isinstance(await router.capture({"prompt": "300", "capture": CAPTURE}), GenerateResult)  # default: by value
+        for wrong in ("yes", 1, None):
+            with pytest.raises(InvalidRequestError, match=r"by_reference: expected true, false or 'auto'"):
+                await router.capture({"prompt": "1", "capture": CAPTURE}, by_reference=wrong)
+
+    run(main())
 
 
 # ---------------------------------------------------------------- retries

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from replicas import arrays
-from replicas.api import CaptureSpec, GenerateRequest, Intervention
+from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, Intervention
 from replicas.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
 from replicas.plans import (
     EXPLICIT,
@@ -238,6 +240,30 @@ def test_captured_positions_follow_each_mode_and_stop_where_the_rows_did():
     assert captured_positions("last_prompt", 5, 1) == [4]
     assert captured_positions([7, -1, 0], 5, 3) == [0, 4, 7]
     assert captured_positions([7, -1, 0], 5, 2) == [0, 4]  # stopped before position 7 was fed
+
+
+def test_results_pickle_every_array_out_of_band():
+    """Ray pickles results with protocol 5: bytes handed to the buffer callback travel out-of-band
+    (zero-copy reads of the object store on one node); bytes inside the stream are copied on every
+    hop. numpy keeps ml_dtypes' bfloat16 in the stream unless the result hands over its bits."""
+    rng = np.random.default_rng(0)
+    captured = {
+        "blocks.0.hook_resid_post": rng.standard_normal((64, 32)).astype(arrays.DTYPES["bfloat16"]),
+        "blocks.1.hook_resid_post": rng.standard_normal((64, 32)).astype(np.float16),
+        "blocks.2.hook_resid_post": rng.standard_normal(32).astype(np.float32),
+    }
+    result = GenerateResult(request_id="r", text="", token_ids=[], prompt_token_ids=[], finish_reason=None, choices=[],
+                            activations=captured)
+    buffers: list[pickle.PickleBuffer] = []
+    stream = pickle.dumps(result, protocol=5, buffer_callback=buffers.append)
+    assert sorted(b.raw().nbytes for b in buffers) == sorted(a.nbytes for a in captured.values())
+    assert len(stream) < 2048
+    loaded = pickle.loads(stream, buffers=buffers)
+    for hook, array in captured.items():
+        assert loaded.activations[hook].dtype == array.dtype and loaded.activations[hook].shape == array.shape
+        assert np.array_equal(loaded.activations[hook].view(np.uint8), array.view(np.uint8))
+    assert result.activations == captured  # pickling left the result itself alone
+    assert pickle.loads(pickle.dumps(result)).activations["blocks.0.hook_resid_post"].dtype == arrays.DTYPES["bfloat16"]
 
 
 def test_logits_and_every_completion_count_against_the_byte_cap():

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from bench.load import engine_core, wait_engine_gone
+from replicas.arrays import DTYPES
 from replicas.errors import InvalidRequestError
 from replicas.tiny import make_tiny_model
 from tests.hf_reference import hf_activations
@@ -191,6 +192,25 @@ def test_capture_batch_keeps_input_order_and_by_reference_returns_the_replica_ob
     ref = app.handle.capture.remote(batch[0], by_reference=True).result(timeout_s=600)
     assert isinstance(ref, ray.ObjectRef)
     assert_matches_hf(app, ray.get(ref))
+    small = app.handle.capture.remote(batch[0], by_reference="auto").result(timeout_s=600)  # 10 KB: by value
+    assert_matches_hf(app, small)
+
+
+def test_bfloat16_results_reach_the_caller_as_views_of_the_object_store(app):
+    """numpy pickles bfloat16 in-band (a copy per hop, and a writable array at the end); results
+    hand Ray the bits instead, so each hop maps the replica's bytes, read-only."""
+    import ray
+
+    request = capture_request(3)
+    request["capture"]["dtype"] = "bfloat16"
+    by_value = app.handle.capture.remote(request).result(timeout_s=600)
+    by_reference = ray.get(app.handle.capture.remote(request, by_reference=True).result(timeout_s=600))
+    reference = hf_activations(app.model, by_value.prompt_token_ids)
+    for result in (by_value, by_reference):
+        for hook, key in KIND.items():
+            got = result.activations[hook]
+            assert got.dtype == DTYPES["bfloat16"] and not got.flags.writeable
+            np.testing.assert_allclose(got.astype(np.float32), reference[key], rtol=2**-7, atol=TOL, err_msg=hook)
     info = app.handle.info.remote().result()
     assert (info.n_layers, info.d_model) == (4, 128)
 

@@ -10,6 +10,7 @@
 #   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3)
 #   bw       bench_bandwidth --via engine-inplace serve (6)
 #   dataset  bench_dataset, one replica, cases a b c (8)
+#   handle   bench_handle_path, bench_bandwidth's batch shape, no engine (2)
 # Copy /tmp/results/* to $OUT in each poll, so a lost machine loses nothing already measured.
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 R=${RESULTS:-/tmp/results}; mkdir -p "$R"
@@ -26,6 +27,8 @@ for part in "$@"; do
              done ;;
     bw) step bw python3 -m bench.bench_bandwidth --config llama8b --via engine-inplace serve --out "$R" > "$R/bw.log" 2>&1 ;;
     dataset) step dataset python3 -m bench.bench_dataset --config llama8b --replicas 1 --out "$R" > "$R/dataset.log" 2>&1 ;;
+    handle) step handle python3 -m bench.bench_handle_path --requests 32 --rows 527 --label llama8b_gpu_host --out "$R" \
+              > "$R/handle.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
   esac
 done

@@ -54,9 +54,9 @@ class HandleBackend:
     def __init__(self, app: str = "capserve", address: str | None = None, handle: Any = None) -> None:
         from provider.client import CaptureClient
 
-        # by_reference: the result comes straight from the replica's object in Ray's object store,
-        # so the Router never re-serializes activation payloads.
-        self._client = CaptureClient(app, address, retries=0, by_reference=True, handle=handle)
+        # by_reference "auto": a large result comes straight from the replica's object in Ray's
+        # object store, so the Router never re-serializes activation payloads
+        self._client = CaptureClient(app, address, retries=0, by_reference="auto", handle=handle)
         self.description = f"serve app {app!r}" + (f" at {address}" if address else "")
         self._app = app
 
