@@ -3,7 +3,7 @@ It times what Ray and Serve add to an all-layer capture once the rows are in the
 runs anywhere; `bench_bandwidth --via serve` is the same path with a real engine in front.
 
     python -m bench.bench_handle_path                    # 16 requests x 69 MB (bf16), ~2 min
-    python -m bench.bench_handle_path --requests 64 --rows 527   # bench_bandwidth's batch (needs ~40 GB)
+    python -m bench.bench_handle_path --requests 32 --rows 527   # bench_bandwidth's 138 MB requests, 4.4 GB a round
 
 A stand-in replica deployment (Serve's request router and the real `Router` in front of it, as
 `deploy.app` builds them) answers every request with a `GenerateResult` whose arrays are
@@ -19,7 +19,8 @@ in each round so they compare within one run; each round sends `--requests` at o
 - `router-in-band`: `router` with the result pickled as before `replicas.arrays.OutOfBand`
   (bfloat16 in-band): the same path before the fix.
 Reported: GB/s the caller received, for the first round (Ray's object store is new then) and over
-the others, and each way's ratio to `ray`. Results go to `<out>/handle_path_<label>.json`.
+the others, each way's ratio to `ray`, and `router` over `router-in-band` (the fix's gain).
+Results go to `<out>/handle_path_<label>.json`.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ own result object instead of values: the payload then never passes through the r
 ref` in the caller reads it from the object store, zero-copy for the arrays on one node). By
 value, the router still copies no array itself; Ray serializes the result once more on return.
 `by_reference="auto"` (what `CaptureClient` and the inspect provider ask for) returns a reference
-for a result carrying at least `deploy.handle_args.AUTO_REFERENCE_BYTES` of arrays, the value otherwise: a small
-result by value saves the caller a second round trip to fetch it.
+for a result carrying at least `deploy.handle_args.AUTO_REFERENCE_BYTES` of arrays and the value
+otherwise: a small result by value saves the caller a second round trip to fetch it.
 
 What the router guarantees:
 - validation before any replica is chosen: `InvalidRequestError` naming the field;

@@ -194,6 +194,10 @@ def test_capture_batch_keeps_input_order_and_by_reference_returns_the_replica_ob
     assert_matches_hf(app, ray.get(ref))
     small = app.handle.capture.remote(batch[0], by_reference="auto").result(timeout_s=600)  # 10 KB: by value
     assert_matches_hf(app, small)
+    from provider.client import CaptureClient
+
+    client = CaptureClient(handle=app.handle, by_reference=True)  # the client resolves the reference itself
+    assert_matches_hf(app, client.capture(batch[0]["prompt"], HOOKS))
 
 
 def test_bfloat16_results_reach_the_caller_as_views_of_the_object_store(app):

@@ -362,7 +362,7 @@ class ToolApp:
         self.info = FakeApp().info
         self.generate = FakeMethod(self._generate)
 
-    async def _generate(self, request: dict[str, Any]) -> GenerateResult:
+    async def _generate(self, request: dict[str, Any], by_reference: Any = False) -> GenerateResult:
         self.requests.append(request)
         if request["prompt"][-1]["role"] == "tool":
             choice = Choice(text="It is 3.", token_ids=[5], finish_reason="stop")
