@@ -100,8 +100,7 @@ def run_way(way: str, args: argparse.Namespace, schedule: list[list[tuple[int, i
         gathered = source.view(-1)[: args.layers * int(counts.sum()) * args.d_model].view(args.layers, -1, args.d_model)
         if arena is not None:
             destinations = writer.destinations(members, counts, dests, args.layers)
-            _, index = destinations.index(torch.from_numpy(destinations.packed(np.arange(int(counts.sum())))))
-            writer.write(gathered, index.reshape(-1), None)
+            writer.write(gathered, torch.from_numpy(destinations.arena_rows()).reshape(-1), None)
         else:
             StepRows("rows", gathered, None, members, offsets, counts, dests).file()
     delivered = 0

@@ -47,7 +47,7 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
     fields, extra, workload = case_setup(args.case, args.config)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    window = {"first_step": args.first_step, "steps": args.steps, "folder": str(out)}
+    window = {"first_step": args.first_step, "steps": args.steps, "folder": str(out), "python": args.python}
     settings = engine_settings(args.config) | {"gpu_memory_utilization": args.memory_share}
     engine = await start_capserve(dummy_model_folder(args.config), settings, fields | {"step_profile": window})
     submit = capserve_submit(engine, workload, extra)
@@ -71,12 +71,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="llama8b", choices=CONFIGS)
     parser.add_argument("--case", default="z-capture", choices=[*Z_CASES, "bulk"])
-    parser.add_argument("--first-step", type=int, default=300, help="past the warm-up batch's steps")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--first-step", type=int, default=None,
+                        help="past the warm-up batch's steps (default: 300; bulk, whose batches take ~32 steps, 100)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 100; bulk 64")
     parser.add_argument("--max-batches", type=int, default=10)
+    parser.add_argument("--python", action="store_true", help="also cProfile the step loop (python_profile-<pid>.txt)")
     parser.add_argument("--memory-share", type=float, default=0.5)
     parser.add_argument("--out", default="step_profile")
     args = parser.parse_args()
+    bulk = args.case == "bulk"
+    args.first_step = args.first_step if args.first_step is not None else 100 if bulk else 300
+    args.steps = args.steps if args.steps is not None else 64 if bulk else 100
     result = asyncio.run(profile(args))
     path = Path(args.out) / f"step_profile_{args.case}.json"
     path.write_text(json.dumps(result, indent=1, default=str))

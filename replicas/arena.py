@@ -107,11 +107,13 @@ class ArenaLayout:
 
 
 class HostPinning(Protocol):
-    """Registers arena memory with the device (`replicas.arena_writer.CudaHostMemory`)."""
+    """Registers arena memory with the device and copies into it (`replicas.arena_writer.CudaHostMemory`)."""
 
     def register(self, address: int, size: int) -> None: ...
 
     def unregister(self, address: int, size: int) -> None: ...
+
+    def copy(self, target: int, source: int, size: int, stream: int) -> None: ...
 
 
 class HostArena:

@@ -24,6 +24,7 @@ from replicas.arena import BlockTable, HostArena
 from replicas.plans import concatenated_ranges
 
 REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the addresses (UVA)
 
 
 class CudaHostMemory:
@@ -33,6 +34,9 @@ class CudaHostMemory:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        self._copy = lib.cudaMemcpyAsync
+        self._copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._copy.restype = ctypes.c_int
 
     @classmethod
     def load(cls) -> CudaHostMemory | None:
@@ -56,6 +60,12 @@ class CudaHostMemory:
     def unregister(self, address: int, _size: int) -> None:
         self.lib.cudaHostUnregister(ctypes.c_void_p(address))
 
+    def copy(self, target: int, source: int, size: int, stream: int) -> None:
+        """An asynchronous copy on `stream` (a cudaStream_t), by the copy engines."""
+        code = self._copy(target, source, size, MEMCPY_DEFAULT, stream)
+        if code != 0:
+            raise RuntimeError(f"cudaMemcpyAsync of {size} bytes into the capture arena failed with CUDA error {code}")
+
 
 class _DeviceWindow:
     """`__cuda_array_interface__` of registered host memory, so torch wraps it as a CUDA tensor."""
@@ -72,7 +82,7 @@ def element_type(row_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
-HOST_EXPANDED_MAX = 1 << 14  # arena rows (hooks x rows) a step expands on the host; more go to the device
+COPY_ENGINE_MIN_ROWS = 1 << 14  # arena rows (hooks x rows) from which a step's rows go by the copy engines
 
 
 @dataclass
@@ -85,26 +95,32 @@ class Destinations:
     per_block: int
 
     @property
-    def expanded_on_host(self) -> bool:
-        """A small step (decode) expands its rows' arena rows in numpy, cheaper than the device's
-        kernels; a large one (prefill: thousands of rows per hook) ships blocks, not rows."""
-        return self.blocks.shape[0] * len(self.block) <= HOST_EXPANDED_MAX
+    def arena_rows_count(self) -> int:
+        return self.blocks.shape[0] * len(self.block)
+
+    def arena_rows(self) -> np.ndarray:
+        """[hooks, rows]: each step row's row number in the arena (the arena read as rows of the
+        capture's row size), for each hook."""
+        return self.blocks[:, self.block] * self.per_block + self.slot
 
     def packed(self, rows: np.ndarray) -> np.ndarray:
-        """The step rows to read and what `index` needs, in one array: one copy to the device a
+        """The step rows to read and their arena rows, in one array: one copy to the device a
         step, because each copy costs the step loop more than its few bytes."""
-        if self.expanded_on_host:
-            return np.concatenate([rows, (self.blocks[:, self.block] * self.per_block + self.slot).ravel()])
-        return np.concatenate([rows, self.block, self.slot, self.blocks.ravel()])
+        return np.concatenate([rows, self.arena_rows().ravel()])
 
     def index(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """From `packed` (on the device where the rows are written): the step rows [rows] and each
-        row's row number in the arena for each hook [hooks, rows]."""
-        n, hooks = len(self.block), self.blocks.shape[0]
-        if self.expanded_on_host:
-            return packed[:n], packed[n:].view(hooks, n)
-        rows, block, slot, blocks = packed.split([n, n, n, self.blocks.size])
-        return rows, torch.add(slot, blocks.view(self.blocks.shape)[:, block], alpha=self.per_block)
+        """From `packed` (on the device where the rows are written): the step rows [rows] and
+        their arena rows [hooks, rows]."""
+        n = len(self.block)
+        return packed[:n], packed[n:].view(self.blocks.shape[0], n)
+
+
+def consecutive_runs(targets: np.ndarray, row_bytes: int, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first source row, first target row, rows) of each run of rows i whose targets[i] go up by
+    one, split where two of the arena's chunks meet (each is registered with CUDA on its own)."""
+    chunk = targets * row_bytes // chunk_bytes
+    starts = np.flatnonzero(np.concatenate([[True], (np.diff(targets) != 1) | (np.diff(chunk) != 0)]))
+    return starts, targets[starts], np.diff(np.append(starts, len(targets)))
 
 
 class ArenaWriter:
@@ -117,6 +133,7 @@ class ArenaWriter:
         self.lock = lock
         self.device = device
         address, size = arena.bytes.ctypes.data, arena.bytes.nbytes
+        self.address = address
         if device.type == "cuda":
             self.window = torch.as_tensor(_DeviceWindow(address, size), device=device)
         else:
@@ -156,6 +173,30 @@ class ArenaWriter:
             usable = self.window.shape[0] // row_bytes * row_bytes
             view = self._views[row_bytes] = self.window[:usable].view(kind).view(-1, row_bytes // kind.itemsize)
         return view
+
+    def by_copy_engine(self, destinations: Destinations) -> bool:
+        """Whether a step's rows go by `copy_runs` rather than `write`: a large step (prefill) on a
+        GPU. An SM kernel writing a bulk step's 537 MB over PCIe slowed matmuls beside it by ~9% on
+        an H200, the copy engines by nothing, at the same ~53 GB/s (bench/gpu/copy_paths.py); a small
+        step (decode) takes one kernel, cheaper than a copy per run of a row or two."""
+        return self.device.type == "cuda" and destinations.arena_rows_count >= COPY_ENGINE_MIN_ROWS
+
+    def copy_runs(self, rows: torch.Tensor, arena_rows: np.ndarray, stream: torch.cuda.Stream | None) -> None:
+        """rows [hooks, n, width] into arena rows arena_rows ([hooks, n], on the host), one copy
+        per run of consecutive arena rows (a request's rows of a hook, its blocks being one run),
+        through the arena's pinning (`HostPinning.copy`) on `stream`; the caller records the event
+        the outbox waits for."""
+        rows = rows.contiguous()
+        row_bytes = rows.shape[-1] * rows.element_size()
+        starts, targets, lengths = consecutive_runs(arena_rows.ravel(), row_bytes, self.arena.chunk_bytes)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        handle = stream.cuda_stream if stream is not None else 0
+        source = rows.data_ptr()
+        for start, target, n in zip(starts.tolist(), targets.tolist(), lengths.tolist()):
+            self.arena.pin.copy(self.address + target * row_bytes, source + start * row_bytes, n * row_bytes, handle)
+        if stream is not None:
+            rows.record_stream(stream)  # its memory is not reused before the copies end
 
     def write(self, rows: torch.Tensor, index: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """rows [hooks, n, width] (contiguous) into arena rows index ([hooks * n], on the device),

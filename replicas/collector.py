@@ -247,11 +247,23 @@ class Collector:
         except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
             fail_all(buffers, f"capture failed in the worker: {exc!r}")
             return
-        rows, index = index.index(self._to_device(index.packed(selection.rows)))
         step = self.rows_per_chunk(row_bytes)
-        for lo in range(0, len(rows), step):
-            block = _stacked(sites, rows[lo : lo + step], width).to(out)
-            writer.write(block, index[:, lo : lo + step].reshape(-1), self.copy_stream)
+        if writer.by_copy_engine(index):
+            rows, arena_rows = self._to_device(selection.rows), index.arena_rows()
+
+            def write(block: torch.Tensor, lo: int) -> None:
+                writer.copy_runs(block, arena_rows[:, lo : lo + step], self.copy_stream)
+        else:
+            rows, device_rows = index.index(self._to_device(index.packed(selection.rows)))
+
+            def write(block: torch.Tensor, lo: int) -> None:
+                writer.write(block, device_rows[:, lo : lo + step].reshape(-1), self.copy_stream)
+        try:
+            for lo in range(0, len(rows), step):
+                write(_stacked(sites, rows[lo : lo + step], width).to(out), lo)
+        except RuntimeError as exc:  # a copy the runtime refused: these requests fail, the others go on
+            fail_all(buffers, f"capture rows could not be written to shared memory: {exc}")
+            return
         if self.copy_stream is not None:  # their results wait for it; nothing is handed over per step
             event = torch.cuda.Event()
             event.record(self.copy_stream)

@@ -41,6 +41,8 @@ class StepProfile(BaseModel):
     first_step: int = Field(ge=0, description="First step of the window (the worker counts from 0 at start).")
     steps: int = Field(gt=0, le=10_000, description="Steps the window spans.")
     folder: str = Field(description="Folder, on the engine's node, that receives step_profile-<pid>.txt.")
+    python: bool = Field(False, description="Also time the step loop's Python functions (cProfile, the step "
+                         "loop's thread) into python_profile-<pid>.txt; the window's steps run slower.")
 
 
 class EngineConfig(BaseModel):

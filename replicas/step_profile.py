@@ -5,14 +5,19 @@ excluded) and a folder. Over those steps the profiler records CPU ops (and CUDA 
 GPU); capserve's own phases show as `capserve.prepare` and `capserve.collect`. When the window
 closes the worker writes `step_profile-<pid>.txt` there: Python's garbage collections in the
 window (a pause inside a phase shows as that phase's own CPU time), then the ops by their own CPU
-time and by their total CPU time (what each phase spent, waits included). A table, not a trace: a
-trace of a few hundred steps runs to hundreds of MB.
+time, by their total CPU time (what each phase spent, waits included) and, on a GPU, by their own
+CUDA time (which kernels fill the step). With `python` set, cProfile's table of the step loop's
+Python functions goes to `python_profile-<pid>.txt` beside it. Tables, not a trace: a trace of a
+few hundred steps runs to hundreds of MB.
 """
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
 import os
+import pstats
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -33,6 +38,7 @@ class StepProfiler:
         if on_gpu:
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler: Any = None
+        self._python: cProfile.Profile | None = None
         self.written: str | None = None
         self.collections: dict[int, list[float]] = {}  # generation -> seconds of each collection
         self._collecting_since = 0.0
@@ -48,8 +54,15 @@ class StepProfiler:
             self._profiler = torch.profiler.profile(activities=self.activities)
             self._profiler.__enter__()
             gc.callbacks.append(self._on_gc)
+            if self.profile.python:
+                self._python = cProfile.Profile()
+                self._python.enable()
         elif step == self.profile.first_step + self.profile.steps and self._profiler is not None:
             gc.callbacks.remove(self._on_gc)
+            if self._python is not None:
+                self._python.disable()
+                self._write_python(self._python)
+                self._python = None
             self._profiler.__exit__(None, None, None)
             self.written = self._write(self._profiler.key_averages())
             self._profiler = None
@@ -66,6 +79,17 @@ class StepProfiler:
             return nullcontext()
         return torch.profiler.record_function(f"capserve.{name}")
 
+    def _write_python(self, profile: cProfile.Profile) -> None:
+        """The step loop's Python functions by own time, then by cumulative time (before the ops'
+        table, whose appearance ends a profiling run)."""
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("tottime").print_stats(ROWS)
+        stats.sort_stats("cumulative").print_stats(ROWS)
+        path = os.path.join(self.profile.folder, f"python_profile-{os.getpid()}.txt")
+        with open(path, "w") as out:
+            out.write(text.getvalue())
+
     def _write(self, averages: Any) -> str:
         path = os.path.join(self.profile.folder, f"step_profile-{os.getpid()}.txt")
         header = f"steps {self.profile.first_step}..{self.profile.first_step + self.profile.steps - 1}"
@@ -77,4 +101,6 @@ class StepProfiler:
             out.write(f"{header}, garbage collections: {collected or 'none'}\n\n")
             out.write(f"{header}, by self CPU time\n{averages.table(sort_by='self_cpu_time_total', row_limit=ROWS)}\n")
             out.write(f"{header}, by total CPU time\n{averages.table(sort_by='cpu_time_total', row_limit=ROWS)}\n")
+            if torch.profiler.ProfilerActivity.CUDA in self.activities:
+                out.write(f"{header}, by self CUDA time\n{averages.table(sort_by='self_cuda_time_total', row_limit=ROWS)}\n")
         return path

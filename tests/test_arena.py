@@ -5,6 +5,7 @@ needed more of it."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from types import SimpleNamespace
@@ -39,11 +40,14 @@ class Host:
     step's rows (arena requests straight into their blocks, the others into request arrays), and
     steps and results are filed in the calling thread."""
 
-    def __init__(self, directory: str):
-        self.outbox = Outbox(directory, D_MODEL)
+    def __init__(self, directory: str, by_copy_engine: bool = False, max_bytes: int | None = None):
+        self.outbox = Outbox(directory, D_MODEL, arena_max_bytes=max_bytes)
         self.layout, self.arena, self.table = self.outbox.arena_layout, self.outbox.arena, self.outbox.table
         self.collector = Collector(None, {(None, "ln_final"): None}, 16, torch.device("cpu"), self)
         self.writer = self.outbox.writer
+        if by_copy_engine:  # every step's rows go as a GPU's prefill steps do: one copy per run
+            self.arena.pin = MemmovePinning()
+            self.writer.by_copy_engine = lambda destinations: True
         self.reader = ArenaReader()
         self.sent: dict[int, list[np.ndarray]] = {}  # id(buffers) -> rows handed over, per step
 
@@ -88,9 +92,25 @@ class Host:
         return np.concatenate(self.sent[id(buffers)], axis=1)  # [hooks, rows, d]
 
 
-@pytest.fixture
-def host(tmp_path) -> Host:
-    return Host(str(tmp_path))
+class MemmovePinning:
+    """The arena's pinning on the CPU: a run's copy is a memmove."""
+
+    copies = 0
+
+    def register(self, address: int, size: int) -> None:
+        pass
+
+    def unregister(self, address: int, size: int) -> None:
+        pass
+
+    def copy(self, target: int, source: int, size: int, stream: int) -> None:
+        ctypes.memmove(target, source, size)
+        self.copies += 1
+
+
+@pytest.fixture(params=["kernel", "copy engine"])
+def host(tmp_path, request) -> Host:
+    return Host(str(tmp_path), by_copy_engine=request.param == "copy engine")
 
 
 def test_rows_come_back_in_order_across_blocks_and_interleaved_requests(host):
@@ -312,8 +332,7 @@ def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_pa
     copy = SlowCopy()  # the device's write into the arena has not ended
     rows, counts, dests = torch.ones(len(HOOKS), 64, D_MODEL), np.array([64]), np.array([0])
     destinations = outbox.writer.destinations([buffers], counts, dests, len(HOOKS))
-    _, index = destinations.index(torch.from_numpy(destinations.packed(np.arange(int(counts.sum())))))
-    outbox.writer.write(rows, index.reshape(-1), None)
+    outbox.writer.write(rows, torch.from_numpy(destinations.arena_rows()).reshape(-1), None)
     buffers.n_rows = 64
     buffers.written = copy
     outbox.finish("stuck", buffers)
@@ -440,3 +459,57 @@ def test_an_arena_at_its_limit_hands_out_scattered_blocks_rather_than_fail(tmp_p
     assert arena.blocks_in_use == 64
     with pytest.raises(OSError, match="arena is full"):
         arena.allocate(37)
+
+
+def test_runs_break_where_arena_rows_jump_and_where_chunks_meet():
+    from replicas.arena_writer import consecutive_runs
+
+    targets = np.array([5, 6, 7, 20, 21, 3, 30, 31, 32, 33])
+    starts, firsts, lengths = consecutive_runs(targets, row_bytes=8, chunk_bytes=8 * 32)  # chunks of 32 rows
+    assert starts.tolist() == [0, 3, 5, 6, 8] and firsts.tolist() == [5, 20, 3, 30, 32] and lengths.tolist() == [3, 2, 1, 2, 2]
+
+
+@pytest.mark.parametrize("by_copy_engine", [False, True])
+def test_a_capture_on_scattered_blocks_reads_back_whole(tmp_path, by_copy_engine):
+    """An arena at its limit hands a capture scattered blocks: its rows still land in order, by
+    kernel or by one copy per run."""
+    host = Host(str(tmp_path), by_copy_engine, max_bytes=100 << 10)  # 100 blocks of 32 float32 rows
+    rng = np.random.default_rng(8)
+    hold = host.arena.allocate(90)
+    host.arena.release(hold[::3])  # 30 free blocks, no two adjacent
+    buffers = host.buffers(request_plan(prompt_len=200, max_tokens=1))  # 3 hooks x 7 blocks
+    host.step([(buffers, 130)], rng)
+    host.step([(buffers, 70)], rng)
+    assert not (np.diff(host.table.table[buffers.table_slot, :21]) == 1).any()
+    if by_copy_engine:  # a copy per block a step writes: 5 blocks per hook, then 3 (one shared)
+        assert host.arena.pin.copies == len(HOOKS) * (5 + 3)
+    rows = host.result(buffers)
+    for i, name in enumerate(HOOKS):
+        np.testing.assert_array_equal(rows[name], host.expected(buffers)[i])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engines write registered host memory: GPU suite")
+def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader_looks():
+    import tempfile
+
+    device = torch.device("cuda")
+    torch.cuda.init()
+    shared = tempfile.TemporaryDirectory(dir="/dev/shm")  # where replicas keep their arena: CUDA pins its pages
+    outbox = Outbox(shared.name, D_MODEL, arena_max_bytes=1 << 20, device=device)
+    writer = outbox.writer
+    assert writer.device.type == "cuda", "the arena was not registered with the GPU"
+    plan = request_plan(prompt_len=200, max_tokens=1)
+    buffers = [RequestBuffers.for_plan(plan, D_MODEL, 16, outbox.arena_layout) for _ in range(3)]
+    counts, dests = np.array([130, 70, 200]), np.array([0, 0, 0])
+    destinations = writer.destinations(buffers, counts, dests, len(HOOKS))
+    arena_rows = destinations.arena_rows()
+    rows = torch.randn(len(HOOKS), int(counts.sum()), D_MODEL, device=device)
+    stream = torch.cuda.Stream(device)
+    landed = outbox.arena.bytes[: (int(arena_rows.max()) + 1) * D_MODEL * 4].view(np.float32).reshape(-1, D_MODEL)
+    writer.copy_runs(rows, arena_rows, stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(landed[arena_rows], rows.cpu().numpy())
+    landed[:] = 0
+    writer.write(rows, torch.from_numpy(arena_rows).to(device).reshape(-1), stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(landed[arena_rows], rows.cpu().numpy())

@@ -7,10 +7,11 @@
 # Parts (minutes on an H200, engine starts included):
 #   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
 #   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
-#   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3)
-#   bw       bench_bandwidth --via engine-inplace serve (6)
+#   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
+#   bw       bench_bandwidth --via engine-inplace serve (6; BW_VIAS picks)
 #   dataset  bench_dataset, one replica, cases a b c (8)
 #   handle   bench_handle_path, bench_bandwidth's batch shape, no engine (2)
+#   copies   bench/gpu/copy_paths.py: a bulk step's rows to host memory by kernel or copy engines (0.5)
 # Copy /tmp/results/* to $OUT in each poll, so a lost machine loses nothing already measured.
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 R=${RESULTS:-/tmp/results}; mkdir -p "$R"
@@ -21,14 +22,15 @@ for part in "$@"; do
     sbs) step sbs python3 -m bench.bench_side_by_side --config llama8b --deployments z --rounds 3 --out "$R" > "$R/sbs.log" 2>&1 ;;
     sbs32) step sbs32 python3 -m bench.bench_side_by_side --config llama8b --deployments z --workloads 32x512+256 \
              --rounds 3 --out "$R" > "$R/sbs32.log" 2>&1 ;;
-    profile) for case in z-capture z-ablate bulk; do
-               step "profile $case" python3 -m bench.profile_step_loop --config llama8b --case $case --out "$R" \
+    profile) for case in ${PROFILE_CASES:-z-capture z-ablate bulk}; do
+               step "profile $case" python3 -m bench.profile_step_loop --config llama8b --case $case ${PROFILE_ARGS:-} --out "$R" \
                  > "$R/profile_$case.log" 2>&1
              done ;;
-    bw) step bw python3 -m bench.bench_bandwidth --config llama8b --via engine-inplace serve --out "$R" > "$R/bw.log" 2>&1 ;;
+    bw) step bw python3 -m bench.bench_bandwidth --config llama8b --via ${BW_VIAS:-engine-inplace serve} --out "$R" > "$R/bw.log" 2>&1 ;;
     dataset) step dataset python3 -m bench.bench_dataset --config llama8b --replicas 1 --out "$R" > "$R/dataset.log" 2>&1 ;;
     handle) step handle python3 -m bench.bench_handle_path --requests 32 --rows 527 --label llama8b_gpu_host --out "$R" \
               > "$R/handle.log" 2>&1 ;;
+    copies) step copies python3 bench/gpu/copy_paths.py --out "$R" > "$R/copies.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
   esac
 done
