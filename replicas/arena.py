@@ -4,8 +4,8 @@ Fresh memory is what moving activations costs: the first write to a new shared-m
 at ~1.2 GB/s on the CI machine where a copy into pages written before ran at ~10 GB/s
 (`python -m bench.bench_host_path` compares the two designs). So the worker keeps its arena: the
 step loop writes each step's rows of every large capture straight from the device into their
-blocks (`replicas.arena_writer`: one kernel per step, whatever the number of requests; on a GPU
-the arena's chunks are registered with CUDA), a finished capture is described by its block
+blocks (`replicas.arena_writer`: a kernel or the copy engines, whatever the number of requests;
+on a GPU the arena's chunks are registered with CUDA), a finished capture is described by its block
 numbers, the replica reads its rows (`ArenaReader`: in place, or a copy) and hands the numbers
 back with a later `capserve_take`, and the blocks go to the next request. A request takes all its
 blocks when it first writes, as one run, so each hook's rows lie in one piece and can be read in

@@ -1,11 +1,14 @@
 """The step loop's side of the arena: a step's captured rows go from the device straight into
 their arena blocks, with no copy on the host.
 
-On a GPU the arena's chunks are registered with CUDA as they are reserved, so one `index_copy_`
-kernel on the copy stream writes every row of a step into its block over PCIe; the outbox thread
-only waits for that kernel before it publishes a result. On the CPU engine the same `index_copy_`
-writes through a CPU view of the mapping. Before, rows went device -> pinned staging -> a numpy
-scatter on the outbox thread: a host copy at a few GB/s that capped bulk capture.
+On a GPU the arena's chunks are registered with CUDA as they are reserved. A small step (decode)
+is written by one `index_copy_` kernel on the copy stream, every row into its block over PCIe; a
+large one (prefill) by the copy engines, one `cudaMemcpyAsync` per run of consecutive arena rows,
+so that hundreds of MB streaming to the host take no SMs from the next step's forward. The outbox
+thread only waits for the copy stream before it publishes a result. On the CPU engine the same
+`index_copy_` writes through a CPU view of the mapping. Before, rows went device -> pinned
+staging -> a numpy scatter on the outbox thread: a host copy at a few GB/s that capped bulk
+capture.
 
 Block numbers are handed out here, on the step loop, under the outbox's lock: the outbox thread
 still takes blocks back and forgets finished requests.

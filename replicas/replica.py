@@ -68,7 +68,8 @@ class ReplicaOptions(BaseModel):
     )
     sink_threads: int = Field(2, ge=1, description="capture_shard: threads writing shards to disk (replicas.sink).")
     sink_max_unwritten: int = Field(
-        2, ge=1, description="capture_shard: shards whose rows this replica holds at once (capturing or being written)."
+        3, ge=1, description="capture_shard: shards whose rows this replica holds at once (capturing or being written). "
+        "One more than sink_threads keeps every writer busy while the engine fills the next shard.",
     )
     sink_policy: Literal["wait", "refuse"] = Field(
         "wait", description="capture_shard past sink_max_unwritten: wait for a slot, or refuse with BackPressureError."

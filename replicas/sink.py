@@ -175,7 +175,7 @@ async def publish_shard(threads: Executor | None, folder: Store, k: int, lines: 
 class ShardSink:
     """Bounded writer threads and the backpressure slots of one replica."""
 
-    def __init__(self, threads: int = 2, max_unwritten: int = 2, policy: SinkPolicy = "wait") -> None:
+    def __init__(self, threads: int = 2, max_unwritten: int = 3, policy: SinkPolicy = "wait") -> None:
         self._threads = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="capserve-sink")
         self._max_unwritten = max(max_unwritten, 1)
         self._policy = policy

@@ -461,14 +461,6 @@ def test_an_arena_at_its_limit_hands_out_scattered_blocks_rather_than_fail(tmp_p
         arena.allocate(37)
 
 
-def test_runs_break_where_arena_rows_jump_and_where_chunks_meet():
-    from replicas.arena_writer import consecutive_runs
-
-    targets = np.array([5, 6, 7, 20, 21, 3, 30, 31, 32, 33])
-    starts, firsts, lengths = consecutive_runs(targets, row_bytes=8, chunk_bytes=8 * 32)  # chunks of 32 rows
-    assert starts.tolist() == [0, 3, 5, 6, 8] and firsts.tolist() == [5, 20, 3, 30, 32] and lengths.tolist() == [3, 2, 1, 2, 2]
-
-
 @pytest.mark.parametrize("by_copy_engine", [False, True])
 def test_a_capture_on_scattered_blocks_reads_back_whole(tmp_path, by_copy_engine):
     """An arena at its limit hands a capture scattered blocks: its rows still land in order, by
@@ -487,29 +479,3 @@ def test_a_capture_on_scattered_blocks_reads_back_whole(tmp_path, by_copy_engine
     for i, name in enumerate(HOOKS):
         np.testing.assert_array_equal(rows[name], host.expected(buffers)[i])
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engines write registered host memory: GPU suite")
-def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader_looks():
-    import tempfile
-
-    device = torch.device("cuda")
-    torch.cuda.init()
-    shared = tempfile.TemporaryDirectory(dir="/dev/shm")  # where replicas keep their arena: CUDA pins its pages
-    outbox = Outbox(shared.name, D_MODEL, arena_max_bytes=1 << 20, device=device)
-    writer = outbox.writer
-    assert writer.device.type == "cuda", "the arena was not registered with the GPU"
-    plan = request_plan(prompt_len=200, max_tokens=1)
-    buffers = [RequestBuffers.for_plan(plan, D_MODEL, 16, outbox.arena_layout) for _ in range(3)]
-    counts, dests = np.array([130, 70, 200]), np.array([0, 0, 0])
-    destinations = writer.destinations(buffers, counts, dests, len(HOOKS))
-    arena_rows = destinations.arena_rows()
-    rows = torch.randn(len(HOOKS), int(counts.sum()), D_MODEL, device=device)
-    stream = torch.cuda.Stream(device)
-    landed = outbox.arena.bytes[: (int(arena_rows.max()) + 1) * D_MODEL * 4].view(np.float32).reshape(-1, D_MODEL)
-    writer.copy_runs(rows, arena_rows, stream)
-    stream.synchronize()
-    np.testing.assert_array_equal(landed[arena_rows], rows.cpu().numpy())
-    landed[:] = 0
-    writer.write(rows, torch.from_numpy(arena_rows).to(device).reshape(-1), stream)
-    stream.synchronize()
-    np.testing.assert_array_equal(landed[arena_rows], rows.cpu().numpy())
