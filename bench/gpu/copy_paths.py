@@ -10,6 +10,10 @@ writes it into registered, mapped host memory (the arena). Ways:
   dma-one  one cudaMemcpyAsync of the whole block (the bound)
 Each alone, then each on a side stream while the default stream runs matmuls (the forward's
 stand-in): what the matmuls lose is what a step loses.
+
+It repeats, on purpose, the few ctypes lines of `replicas.arena_writer.CudaHostMemory`: importing
+`replicas` needs pydantic and ml_dtypes, which a bare GPU host lacks, and this script answers its
+question there in one device call, before the vLLM bundle is uploaded.
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ def main() -> None:
             torch.mm(a, a)
 
     main_stream = torch.cuda.current_stream()
-    result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(device), "hooks": args.hooks, "rows": args.rows, "d": args.d, "requests": args.requests, "bytes": size,
+    result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(device), "hooks": args.hooks,
+              "rows": args.rows, "d": args.d, "requests": args.requests, "bytes": size,
               "dma_equals_kernel": same, "alone": {}, "beside_matmuls": {}}
     forward_alone = timed(forward, main_stream, args.repeats)
     result["matmuls_alone_s"] = forward_alone
