@@ -227,17 +227,54 @@ def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argpars
     capture_case(plan, source, work / f"warm_{plan.case.name}", args)
     shutil.rmtree(work / f"warm_{plan.case.name}")
     write_prompts(source, prompts[: plan.prompts])
+    before = replica_stats(replicas)
     plain = plain_prefill(prompts[: plan.prompts], clients)
+    between = replica_stats(replicas)
+    plain["replicas"] = stats_spent(before, between)
     out = work / f"case_{plan.case.name}"
     try:
         captured = capture_case(plan, source, out, args)
     finally:
         shutil.rmtree(out, ignore_errors=True)  # the next case needs the space
+    captured["replicas"] = stats_spent(between, replica_stats(replicas))
     tokens = plan.prompts * args.prompt_len
     captured["tokens_per_s"] = tokens / captured["seconds"]
     return {"hooks": _hooks_text(plan.case.hooks), "positions": plan.case.positions, "prompts": plan.prompts,
             "prompts_capped": plan.capped, "shard_lines": plan.shard_lines, "bytes_per_line": plan.case.bytes_per_line,
             "plain": plain, "capture": captured, "ratio_vs_plain": captured["tokens_per_s"] / plain["tokens_per_s"]}
+
+
+def replica_stats(replicas: int, tries: int = 50) -> dict[str, dict[str, Any]]:
+    """Each EngineReplica's `stats` by name (the handle picks a replica per call: asked until all answered)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", "capserve")
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(tries):
+        stats = handle.stats.remote().result()
+        seen[stats["replica"]] = stats
+        if len(seen) == replicas:
+            break
+    return seen
+
+
+def stats_spent(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per replica, what its worker and sink spent between two `replica_stats`: steps, the step
+    loop's seconds outside the forward, the outbox thread's, and the sink's shards and seconds."""
+    spent = {}
+    for name, now in after.items():
+        then = before.get(name)
+        if then is None:
+            continue
+        engine, engine_then = now["engine"], then["engine"]
+        spent[name] = {
+            "steps": engine["steps"] - engine_then["steps"],
+            "rows_captured": engine["rows_captured"] - engine_then["rows_captured"],
+            "worker_s": {k: round(v - engine_then["seconds"].get(k, 0.0), 3) for k, v in engine["seconds"].items()},
+            "arena_gb": engine.get("arena_bytes", 0) / 1e9,
+            "sink": {k: round(v - then["sink"][k], 3) for k, v in now["sink"].items()},
+        }
+    return spent
 
 
 def _hooks_text(hooks: list[str]) -> str:
@@ -302,6 +339,9 @@ def _print_case(name: str, result: dict[str, Any]) -> None:
     print(f"  case {name}: {result['prompts']} prompts{capped}: plain {plain['tokens_per_s']:9.0f} tok/s | capture "
           f"{captured['tokens_per_s']:9.0f} tok/s ({result['ratio_vs_plain']:.3f}x), {captured['gb_written']:.3f} GB "
           f"in {captured['seconds']:.1f} s = {captured['gb_per_s']:.2f} GB/s", flush=True)
+    for label, spent in (("plain", plain["replicas"]), ("capture", captured["replicas"])):
+        for replica, used in spent.items():
+            print(f"    {label} {replica}: {used['steps']} steps, worker {used['worker_s']}, sink {used['sink']}", flush=True)
 
 
 def run_one(args: argparse.Namespace, replicas: int) -> None:

@@ -7,8 +7,10 @@ Plain vLLM (CUDA graphs, its default runner) and two capserve engines (CUDA grap
 same GPU, a third of its memory each, and take turns: every round runs each case's batch once,
 plain first. A process-per-engine run drifts by a few percent; alternating in one process cancels
 that. Reported per case: tokens per second (prompt + generated) of the first round and the median
-of the later ones, each as a ratio to plain's batch of the same round(s), and the worker's step
-loop time outside the forward (prepare, collect) per step, in microseconds.
+of the later ones, each as a ratio to plain's batch of the same round(s); the worker's step
+loop time outside the forward (prepare, collect) per step, in microseconds; and per round the
+milliseconds between vLLM's last final output and the batch's end (the take RPC, reading results),
+which a batch of requests finishing together pays once.
 
 Deployments and cases:
   z        hook_z armed (capture) at every layer, edits on z at the middle layer (`steer_layers`):
@@ -55,10 +57,30 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
     return {"z": (z, z_cases), "pattern": (pattern, pattern_cases)}
 
 
-async def batch(workload: Workload, submit: Submit, prompts: list[list[int]]) -> float:
+async def batch(workload: Workload, submit: Submit, prompts: list[list[int]], last_output: "LastOutput | None" = None) -> tuple[float, float]:
+    """(tokens per second, the seconds after vLLM's last output: a capserve engine's take RPC and
+    result reading, 0 for plain)."""
     start = time.perf_counter()
     await asyncio.gather(*(submit(p) for p in prompts))
-    return workload.total_tokens / (time.perf_counter() - start)
+    end = time.perf_counter()
+    return workload.total_tokens / (end - start), end - last_output.at if last_output else 0.0
+
+
+class LastOutput:
+    """When the engine's vLLM last gave a request its final output: a batch's time splits into
+    vLLM's part and the tail after it (take, reading results)."""
+
+    def __init__(self, engine: Any):
+        self.at = 0.0
+        generate = engine.llm.generate
+
+        async def marked(*args: Any, **kwargs: Any) -> Any:
+            async for output in generate(*args, **kwargs):
+                if output.finished:
+                    self.at = time.perf_counter()
+                yield output
+
+        engine.llm.generate = marked
 
 
 async def start_plain(model: str, settings: dict[str, Any]) -> Any:
@@ -116,6 +138,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         engines[name] = await start_capserve(model, settings, fields)
         cases.update({f"{name}: {case}": (engines[name], extra) for case, extra in deployment_cases.items()})
+    last_outputs = {id(engine): LastOutput(engine) for engine in engines.values()}
     results: dict[str, Any] = {}
     try:
         for name in args.workloads:
@@ -127,18 +150,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for submit in submits.values():  # warm-up
                 await asyncio.gather(*(submit(p) for p in prompts[:8]))
             rounds: dict[str, list[float]] = {case: [] for case in submits}
+            tails: dict[str, list[float]] = {case: [] for case in submits}
             worker = {case: WorkerTime() for case in cases}
             for r in range(args.rounds):
                 for case, submit in submits.items():
                     engine = cases[case][0] if case in cases else None
                     before = await engine.stats() if engine else None
-                    rounds[case].append(await batch(workload, submit, prompts))
+                    tok_s, tail = await batch(workload, submit, prompts, last_outputs.get(id(engine)))
+                    rounds[case].append(tok_s)
+                    tails[case].append(tail)
                     if engine:
                         worker[case].add(before, await engine.stats())
-                    print(f"{name} round {r} {case}: {rounds[case][-1]:.0f} tok/s", flush=True)
+                    print(f"{name} round {r} {case}: {tok_s:.0f} tok/s, {tail * 1e3:.1f} ms after vLLM's last output", flush=True)
             results[name] = summarize(rounds)
             for case, time_spent in worker.items():
                 results[name][case]["worker_us_per_step"] = time_spent.per_step()
+                results[name][case]["ms_after_last_output"] = [round(t * 1e3, 2) for t in tails[case]]
             gc.collect()
     finally:
         for engine in engines.values():

@@ -20,6 +20,7 @@ publishes the shard itself (`replicas.shard_files`: safetensors, atomic publish)
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -180,6 +181,8 @@ class ShardSink:
         self._max_unwritten = max(max_unwritten, 1)
         self._policy = policy
         self._slots: asyncio.Semaphore | None = None  # made on the replica's loop, at first use
+        # where a replica's shards spend their time, for `EngineReplica.stats` (sums over shards)
+        self.totals = {"shards": 0, "bytes": 0, "slot_wait_s": 0.0, "write_s": 0.0}
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -187,11 +190,18 @@ class ShardSink:
             self._slots = asyncio.Semaphore(self._max_unwritten)
         if self._policy == "refuse" and self._slots.locked():
             raise BackPressureError(f"this replica already holds {self._max_unwritten} unwritten shards; retry later")
+        began = time.perf_counter()
         async with self._slots:
+            self.totals["slot_wait_s"] += time.perf_counter() - began
             yield
 
     async def write(self, folder: Store, job: ShardJob, lines: list[LineRows]) -> int:
-        return await publish_shard(self._threads, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model)
+        began = time.perf_counter()
+        size = await publish_shard(self._threads, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model)
+        self.totals["write_s"] += time.perf_counter() - began
+        self.totals["shards"] += 1
+        self.totals["bytes"] += size
+        return size
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

@@ -167,12 +167,36 @@ def test_replicas_write_an_fsspec_url_and_it_loads_back(app, source, reference, 
     # local:// is fsspec's LocalFileSystem, not the plain-path fast path: each replica (its own
     # process) opens the URL with fsspec, writes temp names and publishes them with fs.mv.
     url = f"local://{tmp_path}/fs"
+    before = _replica_stats()
     app.run_cli(source, tmp_path / "fs", "--sink", "replica", "--shard-lines", "50", url=url)
+    after = _replica_stats()
     got = load_capture(url)
     assert got.folder == url and "replica-side writer" in got.manifest["backend"]
     assert_same_capture(got, reference)
     assert len({r["replica"] for r in got.records()}) == 2
     assert not [p for p in (tmp_path / "fs").iterdir() if ".tmp-" in p.name or p.name == ".lock"]
+    # each replica's stats count the shards it wrote, their bytes, and its engine's steps
+    spent = {name: {key: after[name]["sink"][key] - before[name]["sink"][key] for key in ("shards", "bytes")}
+             for name in after}
+    shard_files = sorted((tmp_path / "fs").glob("shard-*"))
+    assert sum(s["shards"] for s in spent.values()) == len(shard_files) // 2 == N_PROMPTS // 50 + (N_PROMPTS % 50 > 0)
+    assert sum(s["bytes"] for s in spent.values()) == sum(p.stat().st_size for p in shard_files)
+    assert all(after[name]["engine"]["steps"] > before[name]["engine"]["steps"] for name in after)
+    assert all(after[name]["sink"]["write_s"] > before[name]["sink"]["write_s"] for name in after if spent[name]["shards"])
+
+
+def _replica_stats() -> dict[str, dict[str, Any]]:
+    """Both EngineReplicas' `stats`, by replica name (the handle picks one per call)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", "capserve")
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(100):
+        stats = handle.stats.remote().result(timeout_s=60)
+        seen[stats["replica"]] = stats
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only {sorted(seen)} answered")
 
 
 def test_replica_sink_refuses_a_bad_job_as_the_callers_error(app, tmp_path):

@@ -120,6 +120,8 @@ def test_a_replica_refuses_a_job_for_an_unknown_scheme_and_goes_on(tmp_path):
         asyncio.run(run_shard(job, never, sink))
     local = job.model_copy(update={"folder": str(tmp_path)})
     assert asyncio.run(run_shard(local, never, sink)).shard == 0  # the same sink still writes
+    written = (tmp_path / "shard-000000.safetensors").stat().st_size + (tmp_path / "shard-000000.jsonl").stat().st_size
+    assert sink.totals["shards"] == 1 and sink.totals["bytes"] == written  # the refused job counts nothing
     sink.close()
 
 
