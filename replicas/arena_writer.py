@@ -167,7 +167,7 @@ class ArenaWriter:
         row = concatenated_ranges(dests, counts)  # within each request
         return Destinations(blocks, block_start[member] + row // per_block - first[member], row % per_block, per_block)
 
-    def _rows_of(self, row_bytes: int) -> torch.Tensor:
+    def rows_of(self, row_bytes: int) -> torch.Tensor:
         """The arena as rows of row_bytes, in the widest integer that divides them (one view per
         row size: building it costs the step loop more than the write's launch)."""
         view = self._views.get(row_bytes)
@@ -207,7 +207,7 @@ class ArenaWriter:
         records the event the outbox waits for."""
         if rows.device != self.window.device:
             rows, index, stream = rows.cpu(), index.cpu(), None
-        target = self._rows_of(rows.shape[-1] * rows.element_size())
+        target = self.rows_of(rows.shape[-1] * rows.element_size())
         source = rows.reshape(-1, rows.shape[-1]).view(target.dtype)
         if stream is None:
             target.index_copy_(0, index, source)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from replicas import _vllm
+from replicas.arena_graphs import ArenaGraphs
 from replicas.outbox import Outbox, StepRows, fail_all
 from replicas.plans import (
     EXPLICIT,
@@ -31,7 +32,7 @@ from replicas.plans import (
 )
 from replicas.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
 from replicas.sae import DeviceSae, encode_packed, packed_width, row_bytes
-from replicas.sites import Site, to_device
+from replicas.sites import Site, stacked_rows, to_device
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_STEP_BYTES = 256 << 20  # EngineConfig.max_step_temp_bytes
@@ -83,6 +84,9 @@ class Collector:
         self._group_signatures: list[tuple | None] = []
         self._free_groups: list[int] = []
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # a decode step's arena writes by one graph replay, where the device writes the arena
+        writer = outbox.writer
+        self.arena_graphs = ArenaGraphs(writer, device) if writer is not None and writer.device.type == "cuda" else None
         self.saes = saes or {}
         self.sae_sites = {sites[sae.site] for sae in self.saes.values()}
         self.rows_captured = 0
@@ -216,7 +220,7 @@ class Collector:
                 selection = selection.subset(~in_arena)
         rows = self._to_device(selection.rows)
         self._hand_over_chunked("rows", selection, (len(sites), len(rows), width), out, row_bytes,
-                                lambda lo, hi: _stacked(sites, rows[lo:hi], width).to(out))
+                                lambda lo, hi: stacked_rows(sites, rows[lo:hi], width).to(out))
 
     def _hand_over_sums(self, sites: list[Site], width: int, itemsize: int, selection: Selection) -> None:
         rows = self._to_device(selection.rows)
@@ -225,7 +229,7 @@ class Collector:
         segments = self._to_device(np.repeat(np.arange(len(selection.counts)), selection.counts))
         summed = torch.zeros(len(sites), len(selection.counts), width, dtype=torch.float32, device=self.device)
         for lo in range(0, len(rows), step):
-            summed.index_add_(1, segments[lo : lo + step], _stacked(sites, rows[lo : lo + step], width).float())
+            summed.index_add_(1, segments[lo : lo + step], stacked_rows(sites, rows[lo : lo + step], width).float())
         self._hand_over("rows", summed, selection)
 
     def _write_to_arena(self, selection: Selection, sites: list[Site], width: int, out: torch.dtype, row_bytes: int) -> None:
@@ -247,6 +251,15 @@ class Collector:
         except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
             fail_all(buffers, f"capture failed in the worker: {exc!r}")
             return
+        if self.arena_graphs is not None and self.arena_graphs.takes(len(sites), len(selection.rows), sites, width, out):
+            try:
+                event = self.arena_graphs.write(sites, width, out, selection.rows, index.arena_rows())
+            except RuntimeError as exc:  # as below
+                fail_all(buffers, f"capture rows could not be written to shared memory: {exc}")
+                return
+            for b in buffers:
+                b.graph_written = event
+            return
         step = self.rows_per_chunk(row_bytes)
         if writer.by_copy_engine(index):
             rows, arena_rows = self._to_device(selection.rows), index.arena_rows()
@@ -260,7 +273,7 @@ class Collector:
                 writer.write(block, device_rows[:, lo : lo + step].reshape(-1), self.copy_stream)
         try:
             for lo in range(0, len(rows), step):
-                write(_stacked(sites, rows[lo : lo + step], width).to(out), lo)
+                write(stacked_rows(sites, rows[lo : lo + step], width).to(out), lo)
         except RuntimeError as exc:  # a copy the runtime refused: these requests fail, the others go on
             fail_all(buffers, f"capture rows could not be written to shared memory: {exc}")
             return
@@ -362,10 +375,3 @@ class Collector:
             self._hand_over_chunked("sae", selection, (1, len(selection.rows), width), torch.int32,
                                     row_bytes(sae, d_model), packed)
 
-
-def _stacked(sites: list[Site], rows: torch.Tensor, width: int) -> torch.Tensor:
-    """[hooks, rows, width]: these rows of each site's staging buffer, narrower ones zero-padded."""
-    if len(sites) == 1 and sites[0].staging.shape[1] == width:  # no stacked copy of a single hook
-        return sites[0].staging.index_select(0, rows).unsqueeze(0)
-    blocks = [site.staging.index_select(0, rows) for site in sites]
-    return torch.stack([b if b.shape[1] == width else torch.nn.functional.pad(b, (0, width - b.shape[1])) for b in blocks])

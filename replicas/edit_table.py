@@ -43,6 +43,8 @@ class EditTable:
         self.lanes: dict[tuple[Site, int], str] = {}  # (site, stage) -> prefix of its edit columns
         self._dirty_rows: dict[Site, int] = {}  # rows of each site's slot map the previous step set
         self._dirty_sets: dict[Site, int] = {}  # rows of its set_stage and set_row map
+        self._last_key: bytes | None = None  # the previous step's `_decode_key`, and its slots
+        self._last_slots: Slots = {}
 
     # ------------------------------------------------------------ per request
 
@@ -96,11 +98,29 @@ class EditTable:
 
     def prepare(self, batch: Batch, requests: RequestTable) -> Slots:
         """Point the rows each request of the step edits at its slots, on the device; returns the
-        sites edited in this step."""
+        sites edited in this step. A decode step whose rows edit as the previous step's did (the
+        same requests in the same order) leaves the device maps as they are."""
+        key = self._decode_key(batch, requests.columns) if requests.requests else None
+        if key is not None and key == self._last_key:
+            return self._last_slots
         slots, sets = self._edit_slots(batch, requests) if requests.requests else ({}, {})
         if slots or self._dirty_rows or self._dirty_sets:
             self._write_edit_rows(slots, sets, batch.step.num_tokens)
+        self._last_key, self._last_slots = key, slots
         return slots
+
+    def _decode_key(self, batch: Batch, columns: Columns) -> bytes | None:
+        """What a decode step's slot maps follow from, or None for any other step. Every row is one
+        generated token, so each range mode selects it or not whatever its position, and the maps
+        are the lanes' columns of the step's requests, in order; edits going request by request
+        (`fallback`) are not."""
+        rows = batch.rows
+        if batch.step.num_tokens != len(rows) or columns["fallback"][rows].any():
+            return None
+        if (batch.step.start_positions < columns["prompt_len"][rows]).any():
+            return None
+        lanes = [columns[lane + name][rows] for lane in self.lanes.values() for name in ("slot", "positions", "phase")]
+        return np.concatenate(lanes).tobytes() if lanes else b""
 
     def _edit_slots(self, batch: Batch, requests: RequestTable) -> tuple[Slots, Sets]:
         """Per steered site, the slot of every row of the step and stage ([stages, tokens]); and

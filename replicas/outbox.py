@@ -75,9 +75,11 @@ class RequestBuffers:
     rows_per_block: int = 0  # > 0: rows live in the arena, this many per block
     blocks_per_hook: int = 0  # in the arena: the blocks each hook's rows take
     table_slot: int = -1  # its row of the arena's block table, once it has one
-    # torch.cuda.Event of its latest write into the arena (None: none, or on the CPU, where writes
-    # end as they are issued); its result is published once it is done
+    # torch.cuda.Events of its latest writes into the arena on the copy stream and by a decode
+    # step's graph on the step loop's stream (`replicas.arena_graphs`); None: none, or on the CPU,
+    # where writes end as they are issued. Its result is published once both are done.
     written: Any = None
+    graph_written: Any = None
     n_rows: int = 0  # rows handed over (set by the step loop once the request ran its last step)
     n_logits: int = 0
     error: str | None = None
@@ -373,8 +375,10 @@ class Outbox:
             self._current = item
             if isinstance(item, StepRows) and item.event is not None:
                 item.event.synchronize()  # releases the GIL while the copy runs
-            elif isinstance(item, tuple) and item[1].written is not None:
-                item[1].written.synchronize()  # the request's last rows are in the arena
+            elif isinstance(item, tuple):
+                for event in (item[1].written, item[1].graph_written):
+                    if event is not None:
+                        event.synchronize()  # the request's last rows are in the arena
             began = time.perf_counter()
             if isinstance(item, StepRows):
                 self._file(item)

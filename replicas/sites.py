@@ -173,3 +173,11 @@ def table_row(edit: EditPlan, d_model: int, per_column: bool = False) -> np.ndar
         row[d_model : 2 * d_model] = edit.direction * edit.scale
         row[scalars + ADD_COEF_COLUMN] = 1.0
     return row  # set: identity row; its values are written per step
+
+
+def stacked_rows(sites: list[Site], rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[hooks, rows, width]: these rows of each site's staging buffer, narrower ones zero-padded."""
+    if len(sites) == 1 and sites[0].staging.shape[1] == width:  # no stacked copy of a single hook
+        return sites[0].staging.index_select(0, rows).unsqueeze(0)
+    blocks = [site.staging.index_select(0, rows) for site in sites]
+    return torch.stack([b if b.shape[1] == width else torch.nn.functional.pad(b, (0, width - b.shape[1])) for b in blocks])

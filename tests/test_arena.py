@@ -43,8 +43,8 @@ class Host:
     def __init__(self, directory: str, by_copy_engine: bool = False, max_bytes: int | None = None):
         self.outbox = Outbox(directory, D_MODEL, arena_max_bytes=max_bytes)
         self.layout, self.arena, self.table = self.outbox.arena_layout, self.outbox.arena, self.outbox.table
-        self.collector = Collector(None, {(None, "ln_final"): None}, 16, torch.device("cpu"), self)
         self.writer = self.outbox.writer
+        self.collector = Collector(None, {(None, "ln_final"): None}, 16, torch.device("cpu"), self)
         if by_copy_engine:  # every step's rows go as a GPU's prefill steps do: one copy per run
             self.arena.pin = MemmovePinning()
             self.writer.by_copy_engine = lambda destinations: True

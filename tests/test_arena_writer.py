@@ -43,3 +43,34 @@ def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader
     writer.write(rows, torch.from_numpy(arena_rows).to(device).reshape(-1), stream)
     stream.synchronize()
     np.testing.assert_array_equal(landed[arena_rows], rows.cpu().numpy())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graphs write registered host memory: GPU suite")
+def test_on_a_gpu_a_decode_steps_graph_writes_exactly_its_rows_step_after_step():
+    """Two hooks, the second narrower (zero-padded); steps of 3, 8 and 5 rows share the 8-row
+    graph, more steps than its ring of pinned index buffers; each step lands its rows and nothing else."""
+    from types import SimpleNamespace
+
+    from replicas.arena_graphs import RING, ArenaGraphs
+
+    device = torch.device("cuda")
+    shared = tempfile.TemporaryDirectory(dir="/dev/shm")
+    outbox = Outbox(shared.name, D_MODEL, arena_max_bytes=1 << 20, device=device)
+    graphs = ArenaGraphs(outbox.writer, device)
+    sites = [SimpleNamespace(staging=torch.zeros(64, D_MODEL, device=device)),
+             SimpleNamespace(staging=torch.zeros(64, D_MODEL // 2, device=device))]
+    landed = outbox.arena.bytes[: 512 * D_MODEL * 4].view(np.float32).reshape(-1, D_MODEL)
+    rng = np.random.default_rng(0)
+    assert graphs.takes(2, 8, sites, D_MODEL, torch.float32) and not graphs.takes(2, 200, sites, D_MODEL, torch.float32)
+    for n in [3, 8, 5] * (RING + 1):
+        for site in sites:
+            site.staging.copy_(torch.randn(site.staging.shape, device=device))
+        step_rows = rng.choice(64, n, replace=False)
+        arena_rows = rng.choice(512, (2, n), replace=False)
+        landed[:] = 0
+        graphs.write(sites, D_MODEL, torch.float32, step_rows, arena_rows).synchronize()
+        expected = np.zeros_like(landed)
+        expected[arena_rows[0]] = sites[0].staging[torch.from_numpy(step_rows).to(device)].cpu().numpy()
+        expected[arena_rows[1], : D_MODEL // 2] = sites[1].staging[torch.from_numpy(step_rows).to(device)].cpu().numpy()
+        np.testing.assert_array_equal(landed, expected)
+    assert len(graphs._graphs) == 1  # one bucket, one hook set

@@ -81,6 +81,52 @@ def test_set_at_two_sites_on_the_same_rows_in_one_step_keeps_each_sites_values()
     np.testing.assert_array_equal(at_3.numpy(), expected_3)
 
 
+# ---------------------------------------------------------------- a steady decode step
+
+
+def test_decode_steps_of_the_same_requests_reuse_the_slot_maps_and_others_rewrite_them(monkeypatch):
+    """r0 ablates at every position, r1 adds on generated ones, r2 edits at prefill only; u is
+    unplanned. A decode step like the previous one writes nothing to the device and its maps stay
+    right; a new order, a prefill chunk or a request going request by request rewrites them."""
+    sites = sites_of()
+    site = sites[(1, "resid_post")]
+    table, edits = RequestTable(), EditTable(sites, 4, CPU, max_set_edits=2)
+    vector = np.ones(D)
+    specs = {
+        "r0": {"interventions": [{"hook": "1:resid_post", "op": "scale", "factor": 0.0}]},
+        "r1": {"interventions": [{"hook": "1:resid_post", "op": "add", "vector": vector, "positions": "generated"}]},
+        "r2": {"interventions": [{"hook": "1:resid_post", "op": "add", "vector": 2 * vector, "phase": "prefill"}]},
+        "p": {"interventions": [{"hook": "1:resid_post", "op": "set", "positions": [0], "values": vector}]},
+    }
+    slot_of = {}
+    for name, request in specs.items():
+        entry = table.admit(name, wire_plan(request, 4), None, -1)
+        edits.assign(entry, table.columns)
+        slot_of[name] = entry.plan.edits[0].slot
+    writes = []
+    write = edits._write_edit_rows
+    monkeypatch.setattr(edits, "_write_edit_rows", lambda *a: (writes.append(a[2]), write(*a)))
+
+    def step(names: list[str], counts: list[int], start: list[int]) -> list[int]:
+        layout = StepLayout(names, np.concatenate([[0], np.cumsum(counts)]), np.array(start, np.int64))
+        edits.prepare(Batch(layout, table.columns.rows(table.handles(names))), table)
+        return site.slot[0, : sum(counts)].tolist()
+
+    decode = (["r0", "u", "r1", "r2"], [1, 1, 1, 1], [4, 9, 6, 5])
+    expected = [slot_of["r0"], 0, slot_of["r1"], 0]
+    assert step(*decode) == expected and len(writes) == 1
+    assert step(decode[0], decode[1], [5, 10, 7, 6]) == expected and len(writes) == 1  # the next token: nothing written
+    assert step(["r1", "u", "r0", "r2"], [1, 1, 1, 1], [8, 11, 6, 7]) == [slot_of["r1"], 0, slot_of["r0"], 0]
+    assert len(writes) == 2
+    # a prefill chunk of r2 beside them: its rows edit at prefill
+    assert step(["r0", "r2"], [1, 3], [7, 1]) == [slot_of["r0"]] + [slot_of["r2"]] * 3 and len(writes) == 3
+    assert step(["r0", "u"], [1, 1], [8, 12]) == [slot_of["r0"], 0] and len(writes) == 4
+    assert step(["r0", "u"], [1, 1], [9, 13]) == [slot_of["r0"], 0] and len(writes) == 4
+    # a request whose edit goes request by request (explicit positions) is never cached
+    assert step(["r0", "p"], [1, 1], [10, 6]) == [slot_of["r0"], 0] and len(writes) == 5
+    assert step(["r0", "p"], [1, 1], [11, 7]) == [slot_of["r0"], 0] and len(writes) == 6
+
+
 # ---------------------------------------------------------------- bounded per-step temporaries
 
 

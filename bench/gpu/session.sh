@@ -6,10 +6,11 @@
 #   cd /tmp/work && (setsid nohup bash bench/gpu/session.sh quick sbs32 profile bw dataset > /tmp/session.log 2>&1 &)
 # Parts (minutes on an H200, engine starts included):
 #   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
+#   capture  the arena writer's and the capture tests alone, engines without Inductor (~2.5)
 #   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
 #   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
 #   bw       bench_bandwidth --via engine-inplace serve (6; BW_VIAS picks)
-#   dataset  bench_dataset, one replica, cases a b c (8)
+#   dataset  bench_dataset, one replica, cases a b c (8; DATASET_ARGS adds, e.g. "--cases a b --prompts 2048")
 #   handle   bench_handle_path, bench_bandwidth's batch shape, no engine (2)
 #   copies   bench/gpu/copy_paths.py: a bulk step's rows to host memory by kernel or copy engines (0.5)
 # Copy /tmp/results/* to $OUT in each poll, so a lost machine loses nothing already measured.
@@ -19,6 +20,8 @@ step() { echo "$(date +%T) start $1" >> "$R/progress"; shift; "$@"; echo "$(date
 for part in "$@"; do
   case $part in
     quick) step quick bash bench/gpu/suite.sh "$R" quick > "$R/quick.log" 2>&1 ;;
+    capture) step capture env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_arena_writer.py tests/test_engine_capture.py \
+               -q -p no:cacheprovider --junitxml="$R/gpu_suite_capture_quick.xml" > "$R/capture.log" 2>&1 ;;
     sbs) step sbs python3 -m bench.bench_side_by_side --config llama8b --deployments z --rounds 3 --out "$R" > "$R/sbs.log" 2>&1 ;;
     sbs32) step sbs32 python3 -m bench.bench_side_by_side --config llama8b --deployments z --workloads 32x512+256 \
              --rounds 3 --out "$R" > "$R/sbs32.log" 2>&1 ;;
@@ -27,7 +30,7 @@ for part in "$@"; do
                  > "$R/profile_$case.log" 2>&1
              done ;;
     bw) step bw python3 -m bench.bench_bandwidth --config llama8b --via ${BW_VIAS:-engine-inplace serve} --out "$R" > "$R/bw.log" 2>&1 ;;
-    dataset) step dataset python3 -m bench.bench_dataset --config llama8b --replicas 1 --out "$R" > "$R/dataset.log" 2>&1 ;;
+    dataset) step dataset python3 -m bench.bench_dataset --config llama8b --replicas 1 ${DATASET_ARGS:-} --out "$R" > "$R/dataset.log" 2>&1 ;;
     handle) step handle python3 -m bench.bench_handle_path --requests 32 --rows 527 --label llama8b_gpu_host --out "$R" \
               > "$R/handle.log" 2>&1 ;;
     copies) step copies python3 bench/gpu/copy_paths.py --out "$R" > "$R/copies.log" 2>&1 ;;
