@@ -10,12 +10,13 @@ numbers, the replica reads its rows (`ArenaReader`: in place, or a copy) and han
 back with a later `capserve_take`, and the blocks go to the next request. A request takes all its
 blocks when it first writes, as one run, so each hook's rows lie in one piece and can be read in
 place; blocks past the rows it wrote go back as it finishes. The arena reserves `reserve_bytes` at
-start-up, pages faulted in, and more a chunk at a time when no run of free blocks fits (a full
-/dev/shm fails only the requests that needed the new chunk); it gives what it grew back once it
-has stood empty for a while, and is deleted with the engine. It never grows past its limit (`EngineConfig.arena_max_bytes`, by default a fair
+start-up, pages faulted in, and more a chunk at a time: ahead of need on a thread of its own
+(`grow_ahead`), or on the step loop when no run of free blocks fits (a full /dev/shm fails only
+the requests that needed the new chunk); it gives what it grew back once it has stood empty for
+a while, and is deleted with the engine. It never grows past its limit (`EngineConfig.arena_max_bytes`, by default a fair
 share of the file system: `arena_limit_bytes`); the replica admits a request only once the
-blocks its capture may need fit beside those of the requests in flight (`ArenaBudget`), and
-hands read blocks back with the batched take RPC (`BatchedTake`), which loses none when it fails.
+blocks its capture may need fit beside those of the requests in flight, and hands read blocks
+back with the batched take RPC, which loses none when it fails (both in `replicas.arena_client`).
 
 A block holds `rows_per_block` rows of one hook of one request: the block size is a multiple of
 a float32 row, so a row of any capture dtype never straddles two blocks.
@@ -23,23 +24,19 @@ a float32 row, so a row of any capture dtype never straddles two blocks.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno
 import glob
-import itertools
 import mmap
 import os
 import shutil
-from collections import deque
-from collections.abc import Callable
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from replicas import arrays
-from replicas.errors import ReplicaUnavailableError
 
 FLOAT32_ROWS_PER_BLOCK = 32
 CHUNK_BLOCKS = 256  # the arena grows by this many blocks: 128 MiB for a 4096-wide model
@@ -117,7 +114,8 @@ class HostPinning(Protocol):
 
 
 class HostArena:
-    """The worker's side: hands out blocks and writes rows into them. Used by the outbox thread only.
+    """The worker's side: hands out blocks (the step loop, under the outbox's lock), takes them
+    back and shrinks (the outbox thread, under that lock), and grows ahead (its grower thread).
 
     The file is as large as its file system from the start but sparse: the mapping never moves
     (one numpy view serves every write), and pages are reserved a chunk at a time."""
@@ -136,6 +134,12 @@ class HostArena:
         self.bytes = np.frombuffer(mmap.mmap(self.fd, size), np.uint8)
         self.chunks = 0
         self.is_free = np.zeros(self.max_chunks * self.chunk_blocks, bool)  # True: reserved and unused
+        # growers (the step loop in `allocate`, the grower thread in `grow_ahead`) and `shrink`
+        # take turns here; a new chunk is published by marking its blocks free, then counting it
+        self._growing = threading.Lock()
+        self.largest_allocation = 0  # blocks, for `grow_ahead`'s margin
+        self.growth_wanted = threading.Event()  # set by `allocate` when free blocks run below the margin
+        self.ahead_chunks = 2  # free chunks `grow_ahead` keeps at least (0: the arena grows only on demand)
         # reserved now, so a first batch finds its pages faulted in (and registered) like a warm one
         wanted = min(-(-reserve_bytes // self.chunk_bytes), self.max_chunks)
         try:
@@ -161,10 +165,13 @@ class HostArena:
         what fits in all); OSError when not even those are free."""
         if n == 0:
             return np.empty(0, np.int64)
+        self.largest_allocation = max(self.largest_allocation, n)
         start = first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n)
         while start < 0:
             try:
-                self._grow()
+                with self._growing:  # after `grow_ahead`'s chunk, if it is reserving one
+                    if first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n) < 0:
+                        self._grow()
             except OSError:  # at its limit: free blocks anywhere will do (the replica then copies)
                 free = np.flatnonzero(self.is_free[: self.chunks * self.chunk_blocks])
                 if len(free) < n:
@@ -173,17 +180,52 @@ class HostArena:
                 return free[:n].astype(np.int64)
             start = first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n)
         self.is_free[start : start + n] = False
+        if self._free_blocks() < self._margin():
+            self.growth_wanted.set()
         return np.arange(start, start + n, dtype=np.int64)
 
     def release(self, blocks: list[int] | np.ndarray) -> None:
         self.is_free[np.asarray(blocks, np.int64)] = True
 
+    def grow_when_asked(self) -> None:
+        """A thread of its own (the Outbox starts it): `grow_ahead` each time `allocate` asks."""
+        while True:
+            self.growth_wanted.wait()
+            self.growth_wanted.clear()
+            self.grow_ahead()
+
+    def grow_ahead(self) -> None:
+        """Reserve chunks while fewer blocks are free than the margin (`ahead_chunks`, or four of
+        the largest allocations seen), so the step loop seldom reserves memory itself: fallocate and
+        cudaHostRegister of a 128 MiB chunk take tens of milliseconds, during which no step runs.
+        Runs without the arena lock (see `_grow`), so allocations go on meanwhile."""
+        while True:
+            with self._growing:
+                if self.chunks == self.max_chunks or self._free_blocks() >= self._margin():
+                    return
+                try:
+                    self._grow()
+                except (OSError, RuntimeError):  # /dev/shm is full, CUDA refused: allocate says so when it must
+                    return
+
+    def _free_blocks(self) -> int:
+        return int(self.is_free[: self.chunks * self.chunk_blocks].sum())
+
+    def _margin(self) -> int:
+        if not self.ahead_chunks:
+            return 0
+        return max(self.ahead_chunks * self.chunk_blocks, 4 * self.largest_allocation)
+
     def shrink(self) -> None:
         """Give the memory of the chunks beyond the reserved ones (at least one) back to the
         system; only while no block is in use (none is written or waiting for the replica)."""
         kept = max(self.kept_chunks, 1)
-        if self.blocks_in_use or self.chunks <= kept:
-            return
+        with self._growing:  # not while `grow_ahead` adds a chunk
+            if self.blocks_in_use or self.chunks <= kept:
+                return
+            self._drop_chunks(kept)
+
+    def _drop_chunks(self, kept: int) -> None:
         if self.pin is not None:
             for chunk in range(kept, self.chunks):
                 self.pin.unregister(self._address(chunk), self.chunk_bytes)
@@ -212,6 +254,8 @@ class HostArena:
             self.pin.register(self._address(self.chunks), self.chunk_bytes)
         else:  # fault the pages in now rather than on the first write of each
             self.bytes[start : start + self.chunk_bytes] = 0
+        # in this order, so a reader under the arena lock (allocate, on another thread) sees the
+        # chunk whole or not at all
         first = self.chunks * self.chunk_blocks
         self.is_free[first : first + self.chunk_blocks] = True
         self.chunks += 1
@@ -335,138 +379,3 @@ class ArenaReader:
             self._files[path] = np.frombuffer(self._mappings[path], np.uint8)
         return self._files[path]
 
-
-# ---------------------------------------------------------------- the replica's side of the block flow
-
-
-class ArenaBudget:
-    """Admits a request whose capture files into the worker's arena once the blocks it may take
-    fit beside those of the requests before it (first come, first served), so the worker's arena
-    never runs out under a mix of requests and never grows past its limit. A request's blocks come
-    back once the worker has them back (`BatchedTake.after_release`)."""
-
-    def __init__(self, capacity: int, block_bytes: int, limit: int):
-        self.capacity = capacity
-        self.geometry = (capacity, block_bytes, limit)
-        self.used = 0
-        self.waits = 0  # requests that had to wait
-        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
-
-    async def acquire(self, blocks: int) -> None:
-        if not blocks:
-            return
-        if not self._waiting and self.used + blocks <= self.capacity:
-            self.used += blocks
-            return
-        self.waits += 1
-        waiter = (blocks, asyncio.get_running_loop().create_future())
-        self._waiting.append(waiter)
-        try:
-            await waiter[1]
-        except BaseException:
-            if waiter[1].done() and not waiter[1].cancelled():
-                self.release(blocks)  # granted as it was cancelled
-            else:
-                self._waiting.remove(waiter)
-                self._grant()  # the next in line may fit now
-            raise
-
-    def release(self, blocks: int) -> None:
-        if blocks:
-            self.used -= blocks
-            self._grant()
-
-    def _grant(self) -> None:
-        while self._waiting and self.used + self._waiting[0][0] <= self.capacity:
-            blocks, future = self._waiting.popleft()
-            self.used += blocks
-            future.set_result(None)
-
-
-class BatchedTake:
-    """Collects the keys of requests that finished close together into one `capserve_take` RPC
-    (every RPC waits for the engine core between two steps, so one per request would stall it),
-    and with them the arena blocks whose rows were read since the last one.
-
-    Each RPC waits at most `timeout_s`; its requests then fail with ReplicaUnavailableError (the
-    engine core did not answer: another replica should serve them). Calls are numbered: the next
-    one tells the worker which earlier ones the replica never got an answer to, so the worker frees
-    what they delivered. Blocks of a failed call are kept for the next one."""
-
-    def __init__(self, llm: Any, timeout_s: float = 120.0):
-        self.llm = llm
-        self.timeout_s = timeout_s
-        self.pending: dict[str, asyncio.Future] = {}
-        self.released: list[int] = []
-        self.callbacks: list[Callable[[], None]] = []  # to run once the worker has `released` back
-        self.abandoned: list[int] = []  # calls whose answer never came
-        self.calls = itertools.count()
-        self.flushing: asyncio.Task | None = None
-
-    def take(self, key: str) -> asyncio.Future:
-        """A future of the key's results (it completes even if the awaiting caller is cancelled)."""
-        future = asyncio.get_running_loop().create_future()
-        self.pending[key] = future
-        self._schedule()
-        return future
-
-    def release(self, blocks: list[int]) -> None:
-        if blocks:
-            self.released.extend(blocks)
-            self._schedule()  # back promptly, so the arena need not grow
-
-    def after_release(self, callback: Callable[[], None]) -> None:
-        """Run callback once the worker has every block released so far back (and has freed what
-        abandoned calls delivered); at once when nothing is on its way."""
-        if not self.released and not self.abandoned:
-            callback()
-            return
-        self.callbacks.append(callback)
-        self._schedule()
-
-    def _schedule(self) -> None:
-        if self.flushing is None or self.flushing.done():
-            self.flushing = asyncio.ensure_future(self._flush())
-
-    async def _flush(self) -> None:
-        await asyncio.sleep(0)  # let requests finishing in the same output batch join
-        while self.pending or self.released or self.callbacks:
-            batch, self.pending = self.pending, {}
-            released, self.released = self.released, []
-            callbacks, self.callbacks = self.callbacks, []
-            abandoned, call = list(self.abandoned), next(self.calls)
-            try:
-                taken = await self._call(list(batch), released, call, abandoned)
-            except Exception as exc:
-                # the worker may or may not have run it: the next call says to free what it gave
-                self.abandoned.append(call)
-                self.released[:0] = released
-                self.callbacks[:0] = callbacks
-                for future in batch.values():
-                    if not future.done():
-                        future.set_exception(exc)
-                if not self.pending:  # blocks alone wait for the next take: a dead engine is not hammered
-                    return
-                continue
-            self.abandoned = [c for c in self.abandoned if c not in abandoned]
-            for key, future in batch.items():
-                if not future.done():
-                    future.set_result(taken.get(key, []))
-            for callback in callbacks:
-                callback()
-
-    async def _call(self, keys: list[str], released: list[int], call: int, abandoned: list[int]) -> dict[str, Any]:
-        args = (keys, released, call, abandoned)
-        try:
-            # vLLM's own timeout is not honoured by every executor: bound the wait here
-            answer = await asyncio.wait_for(self.llm.collective_rpc("capserve_take", timeout=self.timeout_s, args=args), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise ReplicaUnavailableError(
-                f"the engine core did not answer the take RPC within {self.timeout_s:g} s (engine option take_timeout_s)"
-            ) from None
-        return answer[0]
-
-
-def taken_results(done: asyncio.Future) -> list[dict[str, Any]]:
-    """The results a finished take future holds; none when it failed."""
-    return done.result() if not done.cancelled() and done.exception() is None else []

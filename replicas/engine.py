@@ -37,9 +37,9 @@ from replicas import arrays
 from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo, as_request
 from replicas.architectures import BlockShape, absent_kinds, block_shape
 from replicas.arena import (
-    ArenaBudget, ArenaLayout, ArenaReader, BatchedTake, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path,
-    delete_files, stored_in, taken_results,
+    ArenaLayout, ArenaReader, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path, delete_files, stored_in,
 )
+from replicas.arena_client import ArenaBudget, BatchedTake, taken_results
 from replicas.attention import attention_info, finish_capture, head_shapes
 from replicas.edit_slots import EditSlots
 from replicas.engine_config import EngineConfig, checkpoint_facts

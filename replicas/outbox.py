@@ -272,6 +272,8 @@ class Outbox:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._guarded_run, name="capserve-outbox", daemon=True)
         self._thread.start()
+        if self.arena is not None:  # reserves memory ahead of the step loop (HostArena.grow_ahead)
+            threading.Thread(target=self.arena.grow_when_asked, name="capserve-arena-grow", daemon=True).start()
 
     def _open_arena(self, layout: ArenaLayout, max_bytes: int | None, reserve_bytes: int, device: torch.device) -> None:
         """The arena, registered with the device when it is a GPU that can write host memory;

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,6 +44,7 @@ class Host:
     def __init__(self, directory: str, by_copy_engine: bool = False, max_bytes: int | None = None):
         self.outbox = Outbox(directory, D_MODEL, arena_max_bytes=max_bytes)
         self.layout, self.arena, self.table = self.outbox.arena_layout, self.outbox.arena, self.outbox.table
+        self.arena.ahead_chunks = 0  # these tests count chunks: growth on demand only (growing ahead has its own)
         self.writer = self.outbox.writer
         self.collector = Collector(None, {(None, "ln_final"): None}, 16, torch.device("cpu"), self)
         if by_copy_engine:  # every step's rows go as a GPU's prefill steps do: one copy per run
@@ -390,6 +392,52 @@ def test_the_reserve_is_faulted_in_and_registered_at_start_and_kept_when_idle(tm
     arena.shrink()
     assert arena.chunks == 3 and len(pin.registered) == 3 and shm_bytes_of(layout.path) == 3 * arena.chunk_bytes
     assert arena.blocks_in_use == 0 and arena.is_free[: 3 * arena.chunk_blocks].all() and not arena.is_free[3 * arena.chunk_blocks :].any()
+
+
+class SlowPinning(RecordedPinning):
+    """Registration that takes a while, as cudaHostRegister of a chunk does; a range registered
+    twice is an error, as it is for CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads: list[str] = []
+
+    def register(self, address: int, size: int) -> None:
+        assert (address, size) not in self.registered, "a chunk was registered twice"
+        self.threads.append(threading.current_thread().name)
+        time.sleep(0.002)
+        super().register(address, size)
+
+
+def test_the_arena_grows_ahead_of_the_step_loop_on_a_thread_of_its_own(tmp_path):
+    """Allocations that leave fewer free blocks than the margin ask the grower; while it keeps up,
+    the allocating thread never reserves memory itself. Under a steady stream of allocations and
+    releases on two threads every chunk is registered once and no block is handed out twice."""
+    layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)  # 1 KiB blocks, 256-block chunks
+    pin = SlowPinning()
+    arena = HostArena(layout, max_bytes=64 * (256 << 10), reserve_bytes=256 << 10, pin=pin)  # 1 chunk of 64
+    assert arena.chunks == 1
+    arena.allocate(100)
+    assert arena.growth_wanted.is_set()  # 156 free < 512, two chunks
+    arena.grow_ahead()
+    assert arena.chunks == 3 and arena.is_free[: 3 * 256].sum() == 668
+    pin.threads.clear()
+    arena.allocate(300)  # fits in what was reserved ahead
+    assert arena.chunks == 3 and pin.threads == []
+
+    grower = threading.Thread(target=arena.grow_when_asked, name="grower", daemon=True)
+    grower.start()
+    rng = np.random.default_rng(0)
+    held: list[np.ndarray] = []
+    for _ in range(400):
+        held.append(arena.allocate(int(rng.integers(1, 60))))
+        if len(held) > 20:
+            arena.release(held.pop(int(rng.integers(len(held)))))
+        time.sleep(0.0005)
+    taken = np.concatenate(held)
+    assert len(np.unique(taken)) == len(taken) and not arena.is_free[taken].any()
+    assert len(pin.registered) == arena.chunks <= arena.max_chunks
+    assert pin.threads.count("grower") > pin.threads.count("MainThread")  # most chunks came ahead of need
 
 
 def test_a_reserve_larger_than_the_limit_takes_the_limit(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from replicas._vllm import StepLayout
 from replicas.api import GenerateRequest, ModelInfo
-from replicas.arena import ArenaBudget, BatchedTake
+from replicas.arena_client import ArenaBudget, BatchedTake
 from replicas.blocks import SiteOptions, _build_sites
 from replicas.collector import Collector
 from replicas.edit_table import EditTable
