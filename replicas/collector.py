@@ -25,6 +25,7 @@ from replicas.arena_graphs import ArenaGraphs
 from replicas.outbox import Outbox, StepRows, fail_all
 from replicas.plans import (
     EXPLICIT,
+    MODE_CODES,
     CapturePlan,
     concatenated_ranges,
     selected_offsets,
@@ -56,6 +57,23 @@ class Selection:
         rows = self.rows[concatenated_ranges(self.offsets[keep], counts)]
         requests = [entry for entry, kept in zip(self.requests, keep.tolist()) if kept]
         return Selection(requests, rows, np.cumsum(counts) - counts, counts, self.dests[keep])
+
+
+@dataclass
+class SteadyDecode:
+    """A decode step's capture, as the full selection found it: every capturing request in one
+    group, selecting its one new row, filing into the arena. The next step of the same requests
+    in the same order (`key`) writes the same way, so it skips the selection: at a few dozen
+    requests that numpy, not the GPU, set the step loop's pace."""
+
+    key: bytes
+    places: np.ndarray  # the capturing requests' places in the step (= their rows: one each)
+    rows: np.ndarray  # their rows in the request columns
+    buffers: list
+    sites: list[Site]
+    width: int
+    out: torch.dtype
+    row_bytes: int
 
 
 class Collector:
@@ -90,6 +108,7 @@ class Collector:
         self.saes = saes or {}
         self.sae_sites = {sites[sae.site] for sae in self.saes.values()}
         self.rows_captured = 0
+        self.steady: SteadyDecode | None = None  # the previous step's, while decode steps repeat it
 
     @property
     def live_groups(self) -> int:
@@ -134,6 +153,62 @@ class Collector:
 
     def collect(self, batch: Batch, requests: RequestTable) -> None:
         """Hand over the rows and logits every request of the step asked for."""
+        columns = requests.columns
+        key = self._decode_key(batch, columns)
+        steady, self.steady = self.steady, None
+        if steady is not None and steady.key == key and self._collect_steady(batch, columns, steady):
+            self.steady = steady
+            return
+        self._collect(batch, requests)
+        if key is not None:
+            self.steady = self._steady_after(key, batch, requests)
+
+    def _decode_key(self, batch: Batch, columns: Columns) -> bytes | None:
+        """What a `SteadyDecode` step is known by, or None for any other step: a prefill chunk,
+        logits or SAE features, positions other than "all" and "generated", two capture groups,
+        rows recorded before (a request recomputed after preemption)."""
+        rows, step = batch.rows, batch.step
+        if self.outbox.writer is None or step.num_tokens != len(rows):
+            return None
+        group = columns["group"][rows]
+        places = np.flatnonzero(group >= 0)
+        if not len(places) or (columns["logits"][rows] != NO_LOGITS).any() or (columns["sae"][rows] > 0).any():
+            return None
+        capturing, start = rows[places], step.start_positions[places]
+        modes = columns["positions"][capturing]
+        if ((modes != MODE_CODES["all"]) & (modes != MODE_CODES["generated"])).any() or (group[places] != group[places[0]]).any():
+            return None
+        if (start < columns["prompt_len"][capturing]).any() or (columns["seen"][capturing] != start).any():
+            return None
+        return np.concatenate([rows, group]).tobytes()
+
+    def _steady_after(self, key: bytes, batch: Batch, requests: RequestTable) -> SteadyDecode | None:
+        """The step just collected as a `SteadyDecode`, if its requests file into the arena."""
+        group = requests.columns["group"][batch.rows]
+        places = np.flatnonzero(group >= 0)
+        rows = batch.rows[places]
+        buffers = [requests.entry_at[int(r)].buffers for r in rows.tolist()]
+        sites, dtype, reduce = self.group_sites[int(group[places[0]])]
+        if reduce != "none" or any(b.rows_per_block == 0 or b.error is not None for b in buffers):
+            return None
+        width, itemsize = max(site.staging.shape[1] for site in sites), sites[0].staging.element_size()
+        out = TORCH_DTYPES[dtype]
+        return SteadyDecode(key, places, rows, buffers, sites, width, out, len(sites) * width * (2 * itemsize + out.itemsize))
+
+    def _collect_steady(self, batch: Batch, columns: Columns, steady: SteadyDecode) -> bool:
+        """`_collect` for a step like the one before it; False (nothing done) when a request failed meanwhile."""
+        if any(b.error is not None for b in steady.buffers):
+            return False
+        columns["seen"][steady.rows] = batch.step.start_positions[steady.places] + 1
+        taken = columns["rows_taken"]
+        dests = taken[steady.rows]
+        taken[steady.rows] = dests + 1
+        self.rows_captured += len(steady.rows)
+        self._write_rows(steady.buffers, steady.places, np.ones(len(steady.places), np.int64), dests, steady.sites,
+                         steady.width, steady.out, steady.row_bytes)
+        return True
+
+    def _collect(self, batch: Batch, requests: RequestTable) -> None:
         columns = requests.columns
         group = columns["group"][batch.rows]
         logits_mode = columns["logits"][batch.rows]
@@ -235,7 +310,6 @@ class Collector:
     def _write_to_arena(self, selection: Selection, sites: list[Site], width: int, out: torch.dtype, row_bytes: int) -> None:
         """Gather the rows on the device and write them into their arena blocks, `rows_per_chunk`
         at a time; the outbox publishes no result of these requests before the write ends."""
-        writer = self.outbox.writer
         buffers = [entry.buffers for entry in selection.requests]
         live = np.fromiter((b.error is None for b in buffers), bool, len(buffers))
         if not live.all():  # failed requests write nothing more
@@ -243,17 +317,23 @@ class Collector:
                 return
             selection = selection.subset(live)
             buffers = [entry.buffers for entry in selection.requests]
+        self._write_rows(buffers, selection.rows, selection.counts, selection.dests, sites, width, out, row_bytes)
+
+    def _write_rows(self, buffers: list, step_rows: np.ndarray, counts: np.ndarray, dests: np.ndarray, sites: list[Site],
+                    width: int, out: torch.dtype, row_bytes: int) -> None:
+        """Request i's counts[i] rows, step_rows[offsets[i]:], go to its rows dests[i]... in the arena."""
+        writer = self.outbox.writer
         try:
-            index = writer.destinations(buffers, selection.counts, selection.dests, len(sites))
+            index = writer.destinations(buffers, counts, dests, len(sites))
         except OSError as exc:  # shared memory full: these requests fail, the others go on
             fail_all(buffers, f"capture could not be stored in shared memory: {exc}")
             return
         except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
             fail_all(buffers, f"capture failed in the worker: {exc!r}")
             return
-        if self.arena_graphs is not None and self.arena_graphs.takes(len(sites), len(selection.rows), sites, width, out):
+        if self.arena_graphs is not None and self.arena_graphs.takes(len(sites), len(step_rows), sites, width, out):
             try:
-                event = self.arena_graphs.write(sites, width, out, selection.rows, index.arena_rows())
+                event = self.arena_graphs.write(sites, width, out, step_rows, index.arena_rows())
             except RuntimeError as exc:  # as below
                 fail_all(buffers, f"capture rows could not be written to shared memory: {exc}")
                 return
@@ -262,12 +342,12 @@ class Collector:
             return
         step = self.rows_per_chunk(row_bytes)
         if writer.by_copy_engine(index):
-            rows, arena_rows = self._to_device(selection.rows), index.arena_rows()
+            rows, arena_rows = self._to_device(step_rows), index.arena_rows()
 
             def write(block: torch.Tensor, lo: int) -> None:
                 writer.copy_runs(block, arena_rows[:, lo : lo + step], self.copy_stream)
         else:
-            rows, device_rows = index.index(self._to_device(index.packed(selection.rows)))
+            rows, device_rows = index.index(self._to_device(index.packed(step_rows)))
 
             def write(block: torch.Tensor, lo: int) -> None:
                 writer.write(block, device_rows[:, lo : lo + step].reshape(-1), self.copy_stream)

@@ -527,3 +527,75 @@ def test_a_capture_on_scattered_blocks_reads_back_whole(tmp_path, by_copy_engine
     for i, name in enumerate(HOOKS):
         np.testing.assert_array_equal(rows[name], host.expected(buffers)[i])
 
+
+
+def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path, monkeypatch):
+    """Requests capturing every position or the generated ones, beside an unplanned one, through
+    prefill, repeated decode steps, a new order, a newcomer's prefill and a departure: every row
+    reads back as staged, and decode steps like the one before go by `SteadyDecode`."""
+    from replicas._vllm import StepLayout
+    from replicas.request_table import Batch, RequestTable
+
+    outbox = Outbox(str(tmp_path), D_MODEL)
+    sites = {(i, "resid_post"): SimpleNamespace(staging=torch.zeros(64, D_MODEL)) for i in (0, 2, 3)}
+    collector = Collector(None, {(None, "ln_final"): None, **sites}, 16, torch.device("cpu"), outbox)
+    table = RequestTable()
+    full = []
+    monkeypatch.setattr(collector, "_collect", lambda *a, f=collector._collect: (full.append(1), f(*a)))
+    names = {"a": "all", "b": "generated", "c": "all", "d": "all"}
+    entries, expected, prompt = {}, {n: [] for n in names}, {"a": 5, "b": 3, "c": 7, "d": 4}
+    rng = np.random.default_rng(3)
+
+    def admit(name: str) -> None:
+        plan = request_plan(prompt_len=prompt[name], max_tokens=40, positions=names[name])
+        buffers = RequestBuffers.for_plan(plan, D_MODEL, 16, outbox.arena_layout)
+        assert buffers.rows_per_block > 0
+        entries[name] = table.admit(name, plan, buffers, collector.group(plan.capture))
+
+    def step(batch: list[tuple[str, int, int]]) -> None:
+        """(request, first position, rows) per request; "u" is unplanned."""
+        counts = [n for _, _, n in batch]
+        layout = StepLayout([r for r, _, _ in batch], np.concatenate([[0], np.cumsum(counts)]),
+                            np.array([s for _, s, _ in batch], np.int64))
+        staged = rng.standard_normal((len(sites), sum(counts), D_MODEL), dtype=np.float32)
+        for i, site in enumerate(sites.values()):
+            site.staging[: sum(counts)] = torch.from_numpy(staged[i])
+        for (name, start, n), lo in zip(batch, layout.offsets[:-1]):
+            if name in names:
+                keep = [j for j in range(n) if names[name] == "all" or start + j >= prompt[name]]
+                expected[name].append(staged[:, lo + np.array(keep, int)] if keep else staged[:, :0])
+        collector.collect(Batch(layout, table.columns.rows(table.handles(layout.req_ids))), table)
+
+    for name in "abc":
+        admit(name)
+    step([("a", 0, 5), ("u", 0, 2), ("b", 0, 3), ("c", 0, 7)])
+    position = {"a": 5, "u": 2, "b": 3, "c": 7}
+
+    def decode(order: str, times: int) -> None:
+        for _ in range(times):
+            step([(r, position[r], 1) for r in order])
+            for r in order:
+                position[r] += 1
+
+    decode("aubc", 6)
+    assert len(full) == 2  # the prefill and the first decode step; five went by SteadyDecode
+    decode("cuab", 3)
+    assert len(full) == 3
+    admit("d")
+    step([(r, position[r], 1) for r in "cuab"] + [("d", 0, 4)])
+    position["d"] = 4
+    for r in "cuab":
+        position[r] += 1
+    decode("cuabd", 4)
+    assert len(full) == 5
+    decode("cud", 3)  # a and b left
+    assert len(full) == 6
+    reader = ArenaReader()
+    for name, entry in entries.items():
+        buffers = entry.buffers
+        buffers.n_rows = int(table.columns["rows_taken"][entry.handle])
+        outbox._finish(name, buffers)
+        assert buffers.result["error"] is None
+        want = np.concatenate(expected[name], axis=1)
+        for i, hook in enumerate(HOOKS):
+            np.testing.assert_array_equal(reader.read(buffers.result["activations"][hook]), want[i], err_msg=f"{name} {hook}")
