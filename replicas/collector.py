@@ -191,9 +191,7 @@ class Collector:
         sites, dtype, reduce = self.group_sites[int(group[places[0]])]
         if reduce != "none" or any(b.rows_per_block == 0 or b.error is not None for b in buffers):
             return None
-        width, itemsize = max(site.staging.shape[1] for site in sites), sites[0].staging.element_size()
-        out = TORCH_DTYPES[dtype]
-        return SteadyDecode(key, places, rows, buffers, sites, width, out, len(sites) * width * (2 * itemsize + out.itemsize))
+        return SteadyDecode(key, places, rows, buffers, sites, *_row_shape(sites, dtype))
 
     def _collect_steady(self, batch: Batch, columns: Columns, steady: SteadyDecode) -> bool:
         """`_collect` for a step like the one before it; False (nothing done) when a request failed meanwhile."""
@@ -279,13 +277,10 @@ class Collector:
         """[hooks, rows, d] in the capture dtype, or [hooks, requests, d] float32 sums for reduce=mean;
         the rows of requests that file into the arena go straight there."""
         sites, dtype, reduce = self.group_sites[group]
-        # a request's rows are as wide as its widest hook: narrower ones (attention heads) are padded
-        width, itemsize = max(site.staging.shape[1] for site in sites), sites[0].staging.element_size()
+        width, out, row_bytes = _row_shape(sites, dtype)
         if reduce == "mean":
-            self._hand_over_sums(sites, width, itemsize, selection)
+            self._hand_over_sums(sites, width, sites[0].staging.element_size(), selection)
             return
-        out = TORCH_DTYPES[dtype]
-        row_bytes = len(sites) * width * (2 * itemsize + out.itemsize)  # per row: the gather, its stack and cast
         if self.outbox.writer is not None:
             in_arena = np.fromiter((e.buffers.rows_per_block > 0 for e in selection.requests), bool, len(selection.requests))
             if in_arena.any():
@@ -455,3 +450,10 @@ class Collector:
             self._hand_over_chunked("sae", selection, (1, len(selection.rows), width), torch.int32,
                                     row_bytes(sae, d_model), packed)
 
+
+def _row_shape(sites: list[Site], dtype: str) -> tuple[int, torch.dtype, int]:
+    """(width, torch dtype, device bytes per row) of a capture group's rows: as wide as its widest
+    hook (narrower ones, attention heads, are padded); per row the gather, its stack and cast."""
+    width, itemsize = max(site.staging.shape[1] for site in sites), sites[0].staging.element_size()
+    out = TORCH_DTYPES[dtype]
+    return width, out, len(sites) * width * (2 * itemsize + out.itemsize)
