@@ -155,8 +155,7 @@ class HostArena:
 
     @property
     def blocks_in_use(self) -> int:
-        reserved = self.chunks * self.chunk_blocks
-        return reserved - int(self.is_free[:reserved].sum())
+        return self.chunks * self.chunk_blocks - self._free_blocks()
 
     def allocate(self, n: int) -> np.ndarray:
         """n consecutive block numbers, the first run that fits, growing the arena until one does:

@@ -12,6 +12,7 @@ from typing import Any
 
 from replicas.errors import ReplicaUnavailableError
 
+
 class ArenaBudget:
     """Admits a request whose capture files into the worker's arena once the blocks it may take
     fit beside those of the requests before it (first come, first served), so the worker's arena

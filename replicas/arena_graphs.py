@@ -50,9 +50,9 @@ class ArenaGraphs:
         self.device = device
         self._graphs: dict[tuple, _Graph] = {}
 
-    def takes(self, hooks: int, rows: int, sites: list[Site], width: int, out: torch.dtype) -> bool:
+    def takes(self, sites: list[Site], rows: int, width: int, out: torch.dtype) -> bool:
         """Whether a step of `rows` rows of these hooks goes by a graph."""
-        if hooks * rows > MAX_ARENA_ROWS:
+        if len(sites) * rows > MAX_ARENA_ROWS:
             return False
         return len(self._graphs) < MAX_GRAPHS or _key(sites, width, out, _bucket(rows)) in self._graphs
 

@@ -167,18 +167,20 @@ class Collector:
         """What a `SteadyDecode` step is known by, or None for any other step: a prefill chunk,
         logits or SAE features, positions other than "all" and "generated", two capture groups,
         rows recorded before (a request recomputed after preemption)."""
-        rows, step = batch.rows, batch.step
-        if self.outbox.writer is None or step.num_tokens != len(rows):
+        rows = batch.rows
+        if self.outbox.writer is None or batch.step.num_tokens != len(rows):
             return None
         group = columns["group"][rows]
         places = np.flatnonzero(group >= 0)
         if not len(places) or (columns["logits"][rows] != NO_LOGITS).any() or (columns["sae"][rows] > 0).any():
             return None
-        capturing, start = rows[places], step.start_positions[places]
+        capturing = rows[places]
         modes = columns["positions"][capturing]
         if ((modes != MODE_CODES["all"]) & (modes != MODE_CODES["generated"])).any() or (group[places] != group[places[0]]).any():
             return None
-        if (start < columns["prompt_len"][capturing]).any() or (columns["seen"][capturing] != start).any():
+        if not batch.is_decode(columns["prompt_len"][capturing], places):
+            return None
+        if (columns["seen"][capturing] != batch.step.start_positions[places]).any():
             return None
         return np.concatenate([rows, group]).tobytes()
 
@@ -326,7 +328,7 @@ class Collector:
         except Exception as exc:  # a bookkeeping bug must fail these requests, not the engine
             fail_all(buffers, f"capture failed in the worker: {exc!r}")
             return
-        if self.arena_graphs is not None and self.arena_graphs.takes(len(sites), len(step_rows), sites, width, out):
+        if self.arena_graphs is not None and self.arena_graphs.takes(sites, len(step_rows), width, out):
             try:
                 event = self.arena_graphs.write(sites, width, out, step_rows, index.arena_rows())
             except RuntimeError as exc:  # as below

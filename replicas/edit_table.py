@@ -115,9 +115,7 @@ class EditTable:
         are the lanes' columns of the step's requests, in order; edits going request by request
         (`fallback`) are not."""
         rows = batch.rows
-        if batch.step.num_tokens != len(rows) or columns["fallback"][rows].any():
-            return None
-        if (batch.step.start_positions < columns["prompt_len"][rows]).any():
+        if columns["fallback"][rows].any() or not batch.is_decode(columns["prompt_len"][rows]):
             return None
         lanes = [columns[lane + name][rows] for lane in self.lanes.values() for name in ("slot", "positions", "phase")]
         return np.concatenate(lanes).tobytes() if lanes else b""

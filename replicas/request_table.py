@@ -99,6 +99,11 @@ class Batch:
     def counts(self) -> np.ndarray:
         return np.diff(self.step.offsets)
 
+    def is_decode(self, prompt_len: np.ndarray, places: np.ndarray | slice = slice(None)) -> bool:
+        """Whether every request of the step runs one token, and those at `places` (all by
+        default) a generated one: prompt_len is the step's requests' prompt lengths."""
+        return self.step.num_tokens == len(self.rows) and bool((self.step.start_positions[places] >= prompt_len).all())
+
 
 class RequestTable:
     """The worker's requests by vLLM id, by handle and by key, and the columns of the running ones."""

@@ -181,7 +181,8 @@ class ShardSink:
         self._max_unwritten = max(max_unwritten, 1)
         self._policy = policy
         self._slots: asyncio.Semaphore | None = None  # made on the replica's loop, at first use
-        # where a replica's shards spend their time, for `EngineReplica.stats` (sums over shards)
+        # where a replica's shards spend their time, for `EngineReplica.stats` (sums over shards);
+        # write_s runs from handing a shard to the threads to its publication, a wait for a free thread included
         self.totals = {"shards": 0, "bytes": 0, "slot_wait_s": 0.0, "write_s": 0.0}
 
     @asynccontextmanager

@@ -61,7 +61,7 @@ def test_on_a_gpu_a_decode_steps_graph_writes_exactly_its_rows_step_after_step()
              SimpleNamespace(staging=torch.zeros(64, D_MODEL // 2, device=device))]
     landed = outbox.arena.bytes[: 512 * D_MODEL * 4].view(np.float32).reshape(-1, D_MODEL)
     rng = np.random.default_rng(0)
-    assert graphs.takes(2, 8, sites, D_MODEL, torch.float32) and not graphs.takes(2, 200, sites, D_MODEL, torch.float32)
+    assert graphs.takes(sites, 8, D_MODEL, torch.float32) and not graphs.takes(sites, 200, D_MODEL, torch.float32)
     for n in [3, 8, 5] * (RING + 1):
         for site in sites:
             site.staging.copy_(torch.randn(site.staging.shape, device=device))
