@@ -54,6 +54,7 @@ from bench.common import (
     wait_for_gpu_memory,
     write_runs,
 )
+from replicas.arena import capture_arena_bytes
 
 VIAS = ("engine", "engine-inplace", "serve")
 DEFAULT_WORKLOAD = {"llama8b": Workload("64x512+16", 64, 512, 16), "llama1b": Workload("64x512+16", 64, 512, 16),
@@ -75,6 +76,12 @@ class Plan:
     @property
     def bytes_per_request(self) -> int:
         return self.n_layers * self.rows * self.d_model * CAPTURE_DTYPE_BYTES
+
+    def arena_reserve(self, requests: int) -> int:
+        """arena_reserve_bytes for a batch of `requests` captures: what they take in the arena (their
+        rows in whole blocks), so the first batch finds its memory registered, as a warm one does."""
+        max_rows = self.workload.prompt_len + self.workload.max_tokens
+        return requests * capture_arena_bytes(self.n_layers, max_rows, self.d_model * CAPTURE_DTYPE_BYTES, self.d_model)
 
     @property
     def capture_cap(self) -> int:
@@ -157,7 +164,7 @@ async def measure(submit: Submit, plan: Plan, requests: int, rounds: int) -> dic
 async def via_engine(model: str, args: argparse.Namespace, plan: Plan, requests: int, in_place: bool) -> dict[str, Any]:
     from replicas.engine import CaptureEngine, EngineConfig
 
-    config = EngineConfig(model=model, max_capture_bytes=plan.capture_cap, arena_reserve_bytes=requests * plan.bytes_per_request,
+    config = EngineConfig(model=model, max_capture_bytes=plan.capture_cap, arena_reserve_bytes=plan.arena_reserve(requests),
                           **dummy_engine_options(args.config, ["resid_post"]))
     started = time.perf_counter()
     engine = await CaptureEngine.start(config)
@@ -178,7 +185,8 @@ def via_serve(model: str, args: argparse.Namespace, plan: Plan, requests: int) -
     from deploy.app import build_app
 
     app = {"model": model, "device": args.device, "num_replicas": 1, "max_capture_bytes": plan.capture_cap,
-           "replica_max_ongoing_requests": max(512, 2 * requests), "engine": dummy_engine_options(args.config, ["resid_post"]) | {"arena_reserve_bytes": requests * plan.bytes_per_request},
+           "replica_max_ongoing_requests": max(512, 2 * requests),
+           "engine": dummy_engine_options(args.config, ["resid_post"]) | {"arena_reserve_bytes": plan.arena_reserve(requests)},
            "drain_timeout_s": 10.0, "health_check_timeout_s": 60.0}
     started = time.perf_counter()
     start_serve(num_cpus=4 if args.device == "cpu" else None)

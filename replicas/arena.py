@@ -31,6 +31,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,6 +41,10 @@ from replicas import arrays
 
 FLOAT32_ROWS_PER_BLOCK = 32
 CHUNK_BLOCKS = 256  # the arena grows by this many blocks: 128 MiB for a 4096-wide model
+# cudaHostRegister holds up every other CUDA call of the process while it pins (62 ms for 128 MiB
+# on an H200 host: a step loop stand-in ran at half speed meanwhile, bench/gpu/register_stall.py),
+# so a chunk is registered this much at a time, and the grower pauses between pieces
+PIN_PIECE_BYTES = 8 << 20
 # By default the arenas of all replicas on a node may take half of the file system, split evenly
 # between them (one replica per GPU, at least two shares): the other half stays for Ray's object
 # store and everything else that lives in /dev/shm.
@@ -81,6 +86,13 @@ def arena_blocks(hooks: int, max_rows: int, row_bytes: int, reduce: str, block_b
     if reduce == "mean" or max_rows < per_block:
         return 0
     return hooks * -(-max_rows // per_block)
+
+
+def capture_arena_bytes(hooks: int, max_rows: int, row_bytes: int, d_model: int) -> int:
+    """Arena memory a capture of up to max_rows rows of `hooks` hooks takes, its rows rounded up to
+    whole blocks: arena_reserve_bytes for N such captures at once is N times this."""
+    block_bytes = ArenaLayout.for_model("", d_model).block_bytes
+    return arena_blocks(hooks, max_rows, row_bytes, "none", block_bytes) * block_bytes
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,7 @@ class HostArena:
         self.max_bytes = arena_limit_bytes(directory, max_bytes)
         self.chunk_blocks, self.max_chunks = arena_geometry(self.max_bytes, layout.block_bytes, chunk_blocks)
         self.chunk_bytes = self.chunk_blocks * layout.block_bytes
+        self.pin_bytes = pin_piece_blocks(self.chunk_blocks, layout.block_bytes) * layout.block_bytes
         self.fd = os.open(layout.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         size = max(self.max_chunks * self.chunk_bytes, mmap.PAGESIZE)  # a limit below one block maps a page
         os.ftruncate(self.fd, size)
@@ -139,6 +152,7 @@ class HostArena:
         self._growing = threading.Lock()
         self.largest_allocation = 0  # blocks, for `grow_ahead`'s margin
         self.growth_wanted = threading.Event()  # set by `allocate` when free blocks run below the margin
+        self._allocation_waits = False  # the step loop waits for a chunk: the grower stops pausing
         self.ahead_chunks = 2  # free chunks `grow_ahead` keeps at least (0: the arena grows only on demand)
         # reserved now, so a first batch finds its pages faulted in (and registered) like a warm one
         wanted = min(-(-reserve_bytes // self.chunk_bytes), self.max_chunks)
@@ -167,6 +181,7 @@ class HostArena:
         self.largest_allocation = max(self.largest_allocation, n)
         start = first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n)
         while start < 0:
+            self._allocation_waits = True
             try:
                 with self._growing:  # after `grow_ahead`'s chunk, if it is reserving one
                     if first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n) < 0:
@@ -177,6 +192,8 @@ class HostArena:
                     raise
                 self.is_free[free[:n]] = False
                 return free[:n].astype(np.int64)
+            finally:
+                self._allocation_waits = False
             start = first_free_run(self.is_free[: self.chunks * self.chunk_blocks], n)
         self.is_free[start : start + n] = False
         if self._free_blocks() < self._margin():
@@ -196,14 +213,15 @@ class HostArena:
     def grow_ahead(self) -> None:
         """Reserve chunks while fewer blocks are free than the margin (`ahead_chunks`, or four of
         the largest allocations seen), so the step loop seldom reserves memory itself: fallocate and
-        cudaHostRegister of a 128 MiB chunk take tens of milliseconds, during which no step runs.
+        cudaHostRegister of a 128 MiB chunk take tens of milliseconds, and registering holds up every
+        CUDA call of the process, so it goes in pieces with pauses between them (`_grow`).
         Runs without the arena lock (see `_grow`), so allocations go on meanwhile."""
         while True:
             with self._growing:
                 if self.chunks == self.max_chunks or self._free_blocks() >= self._margin():
                     return
                 try:
-                    self._grow()
+                    self._grow(pause=True)
                 except (OSError, RuntimeError):  # /dev/shm is full, CUDA refused: allocate says so when it must
                     return
 
@@ -226,8 +244,8 @@ class HostArena:
 
     def _drop_chunks(self, kept: int) -> None:
         if self.pin is not None:
-            for chunk in range(kept, self.chunks):
-                self.pin.unregister(self._address(chunk), self.chunk_bytes)
+            for address in range(self._address(kept), self._address(self.chunks), self.pin_bytes):
+                self.pin.unregister(address, self.pin_bytes)
         total = self.max_chunks * self.chunk_bytes
         os.ftruncate(self.fd, kept * self.chunk_bytes)  # drops the pages beyond; the mapping stays valid
         os.ftruncate(self.fd, total)
@@ -238,7 +256,10 @@ class HostArena:
     def _address(self, chunk: int) -> int:
         return self.bytes.ctypes.data + chunk * self.chunk_bytes
 
-    def _grow(self) -> None:
+    def _grow(self, pause: bool = False) -> None:
+        """Reserve, fault in and register one chunk more; with `pause`, wait after each piece's
+        registration as long as it took, so the step loop's CUDA calls get their turn (unless the
+        step loop is waiting for this very chunk)."""
         if self.chunks == self.max_chunks:
             raise OSError(
                 errno.ENOSPC,
@@ -250,7 +271,7 @@ class HostArena:
         start = self.chunks * self.chunk_bytes
         os.posix_fallocate(self.fd, start, self.chunk_bytes)
         if self.pin is not None:  # registering faults the pages in
-            self.pin.register(self._address(self.chunks), self.chunk_bytes)
+            self._register(self._address(self.chunks), pause)
         else:  # fault the pages in now rather than on the first write of each
             self.bytes[start : start + self.chunk_bytes] = 0
         # in this order, so a reader under the arena lock (allocate, on another thread) sees the
@@ -258,6 +279,28 @@ class HostArena:
         first = self.chunks * self.chunk_blocks
         self.is_free[first : first + self.chunk_blocks] = True
         self.chunks += 1
+
+    def _register(self, address: int, pause: bool) -> None:
+        """Register a chunk piece by piece; a failure unregisters the pieces done."""
+        pieces = range(address, address + self.chunk_bytes, self.pin_bytes)
+        for done, piece in enumerate(pieces):
+            began = time.perf_counter()
+            try:
+                self.pin.register(piece, self.pin_bytes)
+            except Exception:
+                for registered in pieces[:done]:
+                    self.pin.unregister(registered, self.pin_bytes)
+                raise
+            if pause and not self._allocation_waits:
+                time.sleep(time.perf_counter() - began)
+
+
+def pin_piece_blocks(chunk_blocks: int, block_bytes: int) -> int:
+    """Blocks registered with CUDA at a time: at most PIN_PIECE_BYTES (or one block), a divisor of the chunk."""
+    blocks = max(1, min(chunk_blocks, PIN_PIECE_BYTES // block_bytes))
+    while chunk_blocks % blocks:
+        blocks -= 1
+    return blocks
 
 
 def first_free_run(is_free: np.ndarray, n: int) -> int:

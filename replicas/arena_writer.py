@@ -118,11 +118,12 @@ class Destinations:
         return packed[:n], packed[n:].view(self.blocks.shape[0], n)
 
 
-def consecutive_runs(targets: np.ndarray, row_bytes: int, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def consecutive_runs(targets: np.ndarray, row_bytes: int, pin_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first source row, first target row, rows) of each run of rows i whose targets[i] go up by
-    one, split where two of the arena's chunks meet (each is registered with CUDA on its own)."""
-    chunk = targets * row_bytes // chunk_bytes
-    starts = np.flatnonzero(np.concatenate([[True], (np.diff(targets) != 1) | (np.diff(chunk) != 0)]))
+    one, split where two of the arena's registrations (`HostArena.pin_bytes` each) meet: CUDA
+    refuses a copy that spans two."""
+    piece = targets * row_bytes // pin_bytes
+    starts = np.flatnonzero(np.concatenate([[True], (np.diff(targets) != 1) | (np.diff(piece) != 0)]))
     return starts, targets[starts], np.diff(np.append(starts, len(targets)))
 
 
@@ -191,7 +192,7 @@ class ArenaWriter:
         the outbox waits for."""
         rows = rows.contiguous()
         row_bytes = rows.shape[-1] * rows.element_size()
-        starts, targets, lengths = consecutive_runs(arena_rows.ravel(), row_bytes, self.arena.chunk_bytes)
+        starts, targets, lengths = consecutive_runs(arena_rows.ravel(), row_bytes, self.arena.pin_bytes)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         handle = stream.cuda_stream if stream is not None else 0

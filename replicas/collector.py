@@ -108,6 +108,7 @@ class Collector:
         self.saes = saes or {}
         self.sae_sites = {sites[sae.site] for sae in self.saes.values()}
         self.rows_captured = 0
+        self.steady_steps = 0  # steps collected as a SteadyDecode
         self.steady: SteadyDecode | None = None  # the previous step's, while decode steps repeat it
 
     @property
@@ -158,6 +159,7 @@ class Collector:
         steady, self.steady = self.steady, None
         if steady is not None and steady.key == key and self._collect_steady(batch, columns, steady):
             self.steady = steady
+            self.steady_steps += 1
             return
         self._collect(batch, requests)
         if key is not None:

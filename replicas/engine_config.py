@@ -98,7 +98,9 @@ class EngineConfig(BaseModel):
         None, ge=0,
         description="Shared memory the capture arena reserves at start-up, pages faulted in (and on a GPU "
         "registered with CUDA), so a first large capture runs as fast as later ones; it keeps this much when idle "
-        "and grows past it as needed, up to arena_max_bytes. Default: 1 GiB on a GPU, 64 MiB on the CPU engine.",
+        "and grows past it as needed, up to arena_max_bytes (on a GPU registering new memory holds up the step "
+        "loop a little). For N large captures at once: N x replicas.arena.capture_arena_bytes(hooks, rows, row "
+        "bytes, d_model). Default: 1 GiB on a GPU, 64 MiB on the CPU engine.",
     )
     max_step_temp_bytes: int = Field(
         256 << 20, gt=0,

@@ -200,6 +200,7 @@ class _CaptureState:
         return {
             "steps": self.steps,
             "rows_captured": self.collector.rows_captured,
+            "steady_decode_steps": self.collector.steady_steps,
             "requests_held": len(self.table.requests),
             "capture_groups": self.collector.live_groups,
             "bytes_held": self.table.bytes_held(),

@@ -394,6 +394,79 @@ def test_the_reserve_is_faulted_in_and_registered_at_start_and_kept_when_idle(tm
     assert arena.blocks_in_use == 0 and arena.is_free[: 3 * arena.chunk_blocks].all() and not arena.is_free[3 * arena.chunk_blocks :].any()
 
 
+class PiecewisePinning(RecordedPinning):
+    """Registration as CUDA does it: once per range, taking a while; it records the gaps between
+    registrations and can refuse one."""
+
+    def __init__(self, fail_at: int = -1):
+        super().__init__()
+        self.fail_at = fail_at
+        self.ended: list[float] = []
+        self.gaps: list[float] = []
+
+    def register(self, address: int, size: int) -> None:
+        assert (address, size) not in self.registered
+        if self.ended:
+            self.gaps.append(time.perf_counter() - self.ended[-1])
+        if len(self.registered) == self.fail_at:
+            raise RuntimeError("cudaHostRegister failed")
+        time.sleep(0.01)
+        super().register(address, size)
+        self.ended.append(time.perf_counter())
+
+
+def test_chunks_are_registered_in_pieces_with_pauses_on_the_grower(tmp_path, monkeypatch):
+    """cudaHostRegister stalls the step loop for as long as it pins, so a chunk is registered a
+    piece at a time; growing ahead waits between pieces. Shrinking unregisters every piece, and a
+    piece CUDA refuses leaves none of its chunk registered."""
+    monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", 64 << 10)
+    layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)  # 1 KiB blocks, 256 KiB chunks: 4 pieces
+    pin = PiecewisePinning()
+    arena = HostArena(layout, reserve_bytes=256 << 10, pin=pin)
+    base = arena.bytes.ctypes.data
+    assert arena.pin_bytes == 64 << 10
+    assert pin.registered == {(base + i * (64 << 10), 64 << 10) for i in range(4)}
+    assert max(pin.gaps) < 0.01  # at start-up, back to back
+    for step_loop_waits in (False, True):
+        pin.gaps.clear()
+        arena.allocate(100)  # 156 free: two chunks ahead
+        arena._allocation_waits = step_loop_waits  # as while `allocate` waits for the grower's chunk
+        arena.grow_ahead()
+        assert arena.chunks == 3 and len(pin.registered) == 12 and len(pin.gaps) == 8
+        if step_loop_waits:  # back to back
+            assert max(pin.gaps[1:]) < 0.01
+        else:  # paused as long as each took (the first gap spans chunks)
+            assert min(pin.gaps[1:]) >= 0.01
+        arena.release(np.arange(100))
+        arena.shrink()
+        assert pin.registered == {(base + i * (64 << 10), 64 << 10) for i in range(4)}
+
+    (tmp_path / "failing").mkdir()
+    failing = HostArena(ArenaLayout.for_model(str(tmp_path / "failing"), D_MODEL), pin=PiecewisePinning(fail_at=2))
+    with pytest.raises(RuntimeError):
+        failing.allocate(10)
+    assert failing.chunks == 0 and not failing.pin.registered
+
+
+def test_copies_break_where_two_registrations_meet(tmp_path, monkeypatch):
+    """A capture's run of rows across a piece boundary goes by two copies; its rows read back whole."""
+    monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", 2 << 10)  # two blocks
+    host = Host(str(tmp_path), by_copy_engine=True)
+    copies: list[tuple[int, int]] = []
+    memmove = host.arena.pin.copy
+    host.arena.pin.copy = lambda target, source, size, stream: (copies.append((target, size)), memmove(target, source, size, stream))
+    rng = np.random.default_rng(9)
+    buffers = host.buffers(request_plan(prompt_len=200, max_tokens=1))  # 7 blocks a hook, in one run
+    host.step([(buffers, 130)], rng)
+    host.step([(buffers, 70)], rng)
+    base, piece = host.arena.bytes.ctypes.data, host.arena.pin_bytes
+    assert piece == 2 << 10 and len(copies) > 2 * len(HOOKS)
+    assert all((target - base) // piece == (target + size - 1 - base) // piece for target, size in copies)
+    rows = host.result(buffers)
+    for i, name in enumerate(HOOKS):
+        np.testing.assert_array_equal(rows[name], host.expected(buffers)[i])
+
+
 class SlowPinning(RecordedPinning):
     """Registration that takes a while, as cudaHostRegister of a chunk does; a range registered
     twice is an error, as it is for CUDA."""
@@ -589,7 +662,7 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
     decode("cuabd", 4)
     assert len(full) == 5
     decode("cud", 3)  # a and b left
-    assert len(full) == 6
+    assert len(full) == 6 and collector.steady_steps == 5 + 2 + 3 + 2
     reader = ArenaReader()
     for name, entry in entries.items():
         buffers = entry.buffers

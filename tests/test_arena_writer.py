@@ -14,14 +14,18 @@ from replicas.outbox import Outbox, RequestBuffers
 from tests.test_arena import D_MODEL, HOOKS, request_plan
 
 
-def test_runs_break_where_arena_rows_jump_and_where_chunks_meet():
+def test_runs_break_where_arena_rows_jump_and_where_registrations_meet():
     targets = np.array([5, 6, 7, 20, 21, 3, 30, 31, 32, 33])
-    starts, firsts, lengths = consecutive_runs(targets, row_bytes=8, chunk_bytes=8 * 32)  # chunks of 32 rows
+    starts, firsts, lengths = consecutive_runs(targets, row_bytes=8, pin_bytes=8 * 32)  # registrations of 32 rows
     assert starts.tolist() == [0, 3, 5, 6, 8] and firsts.tolist() == [5, 20, 3, 30, 32] and lengths.tolist() == [3, 2, 1, 2, 2]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engines write registered host memory: GPU suite")
-def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader_looks():
+@pytest.mark.parametrize("pin_piece_bytes", [8 << 20, 4 << 10])
+def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader_looks(monkeypatch, pin_piece_bytes):
+    """Whole chunks registered at once, or in pieces of 4 blocks (CUDA refuses a copy across two
+    registrations; the kernel writes across them)."""
+    monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", pin_piece_bytes)
     device = torch.device("cuda")
     torch.cuda.init()
     shared = tempfile.TemporaryDirectory(dir="/dev/shm")  # where replicas keep their arena: CUDA pins its pages

@@ -262,6 +262,28 @@ def test_n_completions_capture_follows_the_first(loop, engines):
     assert loop.run(settled_stats(engine))["arena_bytes_in_use"] == 0
 
 
+def test_repeated_decode_steps_skip_the_selection_and_capture_the_same_rows(loop, engines):
+    """Decode steps of the same capturing requests in the same order go by `SteadyDecode`; their
+    rows equal a prefill of the same tokens, for both requests of the batch."""
+    engine = engines["llama"]
+    capture = {"hooks": ["0:resid_post", "2:attn_out"], "positions": "all"}
+    requests = [{"prompt": prompt_ids(36, seed), "max_tokens": 16, "temperature": 0, "ignore_eos": True, "capture": capture}
+                for seed in (31, 32)]
+    before = loop.run(engine.stats())["steady_decode_steps"]
+
+    async def both():
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    results = loop.run(both())
+    assert loop.run(engine.stats())["steady_decode_steps"] - before >= 10
+    for result in results:
+        assert len(result.positions) == 36 + 15
+        prefilled = loop.run(engine.generate({"prompt": result.capture_token_ids, "max_tokens": 1, "temperature": 0,
+                                              "capture": capture | {"positions": "prompt"}}))
+        for name, rows in result.activations.items():
+            assert_close(rows, prefilled.activations[name], atol=TOL)
+
+
 def test_a_stop_string_trims_rows_to_the_tokens_returned(loop, engines):
     """vLLM matches stop strings in its front end, after the engine core has run more steps: rows
     (and a mean over them, and logits) must stop where the returned tokens do."""
