@@ -73,7 +73,8 @@ def _local_names() -> set[str]:
 
 def third_party_imports(directory: str) -> dict[str, set[str]]:
     """Top-level names of the absolute imports in `directory`'s Python files (in functions and
-    try blocks too), less the standard library and capserve's own packages: name -> files."""
+    try blocks too), less the standard library, capserve's own packages and modules beside the
+    importing file (a script run as a file, as bench/gpu's are, imports its neighbours): name -> files."""
     local = _local_names()
     found: dict[str, set[str]] = {}
     for path in sorted((ROOT / directory).rglob("*.py")):
@@ -87,7 +88,7 @@ def third_party_imports(directory: str) -> dict[str, set[str]]:
                 continue
             for name in names:
                 top = name.split(".")[0]
-                if top not in sys.stdlib_module_names and top not in local:
+                if top not in sys.stdlib_module_names and top not in local and not (path.parent / f"{top}.py").exists():
                     found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return found
 
