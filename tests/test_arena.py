@@ -394,55 +394,47 @@ def test_the_reserve_is_faulted_in_and_registered_at_start_and_kept_when_idle(tm
     assert arena.blocks_in_use == 0 and arena.is_free[: 3 * arena.chunk_blocks].all() and not arena.is_free[3 * arena.chunk_blocks :].any()
 
 
-class PiecewisePinning(RecordedPinning):
-    """Registration as CUDA does it: once per range, taking a while; it records the gaps between
-    registrations and can refuse one."""
+class FailingPinning(RecordedPinning):
+    """Refuses the registration after `registered_before` ranges, as CUDA may."""
 
-    def __init__(self, fail_at: int = -1):
+    def __init__(self, registered_before: int):
         super().__init__()
-        self.fail_at = fail_at
-        self.ended: list[float] = []
-        self.gaps: list[float] = []
+        self.registered_before = registered_before
 
     def register(self, address: int, size: int) -> None:
-        assert (address, size) not in self.registered
-        if self.ended:
-            self.gaps.append(time.perf_counter() - self.ended[-1])
-        if len(self.registered) == self.fail_at:
+        if len(self.registered) == self.registered_before:
             raise RuntimeError("cudaHostRegister failed")
-        time.sleep(0.01)
         super().register(address, size)
-        self.ended.append(time.perf_counter())
 
 
 def test_chunks_are_registered_in_pieces_with_pauses_on_the_grower(tmp_path, monkeypatch):
     """cudaHostRegister stalls the step loop for as long as it pins, so a chunk is registered a
-    piece at a time; growing ahead waits between pieces. Shrinking unregisters every piece, and a
-    piece CUDA refuses leaves none of its chunk registered."""
+    piece at a time, and the grower pauses after each piece, unless an allocation is waiting for
+    its chunk. Shrinking unregisters every piece; a piece CUDA refuses leaves none of its chunk
+    registered."""
     monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", 64 << 10)
+    pauses: list[float] = []
+    monkeypatch.setattr("replicas.arena.time", SimpleNamespace(perf_counter=time.perf_counter, sleep=pauses.append))
     layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)  # 1 KiB blocks, 256 KiB chunks: 4 pieces
-    pin = PiecewisePinning()
+    pin = RecordedPinning()
     arena = HostArena(layout, reserve_bytes=256 << 10, pin=pin)
     base = arena.bytes.ctypes.data
     assert arena.pin_bytes == 64 << 10
     assert pin.registered == {(base + i * (64 << 10), 64 << 10) for i in range(4)}
-    assert max(pin.gaps) < 0.01  # at start-up, back to back
-    for step_loop_waits in (False, True):
-        pin.gaps.clear()
+    assert pauses == []  # the reserve, at start-up: no step loop to make way for
+    for allocation_waits in (False, True):
+        pauses.clear()
         arena.allocate(100)  # 156 free: two chunks ahead
-        arena._allocation_waits = step_loop_waits  # as while `allocate` waits for the grower's chunk
+        arena._allocation_waits = allocation_waits  # as while `allocate` waits for the grower's chunk
         arena.grow_ahead()
-        assert arena.chunks == 3 and len(pin.registered) == 12 and len(pin.gaps) == 8
-        if step_loop_waits:  # back to back
-            assert max(pin.gaps[1:]) < 0.01
-        else:  # paused as long as each took (the first gap spans chunks)
-            assert min(pin.gaps[1:]) >= 0.01
+        assert arena.chunks == 3 and len(pin.registered) == 12
+        assert len(pauses) == (0 if allocation_waits else 8) and all(p > 0 for p in pauses)
         arena.release(np.arange(100))
         arena.shrink()
         assert pin.registered == {(base + i * (64 << 10), 64 << 10) for i in range(4)}
 
     (tmp_path / "failing").mkdir()
-    failing = HostArena(ArenaLayout.for_model(str(tmp_path / "failing"), D_MODEL), pin=PiecewisePinning(fail_at=2))
+    failing = HostArena(ArenaLayout.for_model(str(tmp_path / "failing"), D_MODEL), pin=FailingPinning(registered_before=2))
     with pytest.raises(RuntimeError):
         failing.allocate(10)
     assert failing.chunks == 0 and not failing.pin.registered
