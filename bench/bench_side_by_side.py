@@ -9,12 +9,17 @@ plain first. A process-per-engine run drifts by a few percent; alternating in on
 that. Reported per case: tokens per second (prompt + generated) of the first round and the median
 of the later ones, each as a ratio to plain's batch of the same round(s); the worker's step
 loop time outside the forward (prepare, collect) per step, in microseconds; and per round the
-milliseconds between vLLM's last final output and the batch's end (the take RPC, reading results),
-which a batch of requests finishing together pays once.
+batch's phases in milliseconds (`ms_per_phase`): until every request had its first output
+(admission, prefill), from then to vLLM's last final output (decode), and after it (the take RPC,
+reading results: a batch of requests finishing together pays it once). A case's cost shows in the
+phase it lands in: per request (admission, the tail) or per step (decode).
 
 Deployments and cases:
   z        hook_z armed (capture) at every layer, edits on z at the middle layer (`steer_layers`):
-           armed, unused | hook_z at 1 layer, every position, bf16 | ablate 1 head at that layer
+           armed, unused | hook_z at 1 layer, every position, bf16 | ablate 1 head at that layer;
+           two cases split a capture's or edit's cost into per-request and per-step parts: hook_z
+           at 1 layer for last_prompt (a plan, one row) | scale 1 head by 1.0 (an edit that
+           changes nothing but runs every step)
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -49,6 +54,12 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
         "ablate 1 head of hook_z, 1 layer": {
             "interventions": [{"hook": f"blocks.{middle}.attn.hook_z", "op": "scale", "factor": 0.0, "heads": [0]}]
         },
+        "capture hook_z 1 layer, last_prompt": {
+            "capture": {"hooks": [f"blocks.{middle}.attn.hook_z"], "positions": "last_prompt"}
+        },
+        "scale 1 head of hook_z by 1.0, 1 layer": {
+            "interventions": [{"hook": f"blocks.{middle}.attn.hook_z", "op": "scale", "factor": 1.0, "heads": [0]}]
+        },
     }
     pattern_cases = {
         "hook_pattern (+ resid_post) armed, unused": {},
@@ -57,30 +68,43 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
     return {"z": (z, z_cases), "pattern": (pattern, pattern_cases)}
 
 
-async def batch(workload: Workload, submit: Submit, prompts: list[list[int]], last_output: "LastOutput | None" = None) -> tuple[float, float]:
-    """(tokens per second, the seconds after vLLM's last output: a capserve engine's take RPC and
-    result reading, 0 for plain)."""
+async def batch(workload: Workload, submit: Submit, prompts: list[list[int]], times: "OutputTimes") -> dict[str, float]:
+    """Tokens per second (prompt + generated) and the batch's phases in seconds: until every
+    request had its first output (admission and prefill), from then to vLLM's last final output
+    (decode), and the tail after it (a capserve engine's take RPC and result reading)."""
+    times.reset()
     start = time.perf_counter()
     await asyncio.gather(*(submit(p) for p in prompts))
     end = time.perf_counter()
-    return workload.total_tokens / (end - start), end - last_output.at if last_output else 0.0
+    prefilled = max(times.firsts)
+    return {"tok_per_s": workload.total_tokens / (end - start), "prefill": prefilled - start,
+            "decode": times.last - prefilled, "tail": end - times.last}
 
 
-class LastOutput:
-    """When the engine's vLLM last gave a request its final output: a batch's time splits into
-    vLLM's part and the tail after it (take, reading results)."""
+class OutputTimes:
+    """When each request of a batch got its first output from vLLM, and when vLLM gave the last
+    final one: a batch's time splits into prefill, decode and the tail after vLLM."""
 
-    def __init__(self, engine: Any):
-        self.at = 0.0
-        generate = engine.llm.generate
+    def __init__(self, llm: Any):
+        self.firsts: list[float] = []
+        self.last = 0.0
+        generate = llm.generate
 
         async def marked(*args: Any, **kwargs: Any) -> Any:
+            first = True
             async for output in generate(*args, **kwargs):
+                if first:
+                    self.firsts.append(time.perf_counter())
+                    first = False
                 if output.finished:
-                    self.at = time.perf_counter()
+                    self.last = time.perf_counter()
                 yield output
 
-        engine.llm.generate = marked
+        llm.generate = marked
+
+    def reset(self) -> None:
+        self.firsts.clear()
+        self.last = 0.0
 
 
 async def start_plain(model: str, settings: dict[str, Any]) -> Any:
@@ -138,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         engines[name] = await start_capserve(model, settings, fields)
         cases.update({f"{name}: {case}": (engines[name], extra) for case, extra in deployment_cases.items()})
-    last_outputs = {id(engine): LastOutput(engine) for engine in engines.values()}
+    times = {id(plain): OutputTimes(plain)} | {id(engine): OutputTimes(engine.llm) for engine in engines.values()}
     results: dict[str, Any] = {}
     try:
         for name in args.workloads:
@@ -150,22 +174,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for submit in submits.values():  # warm-up
                 await asyncio.gather(*(submit(p) for p in prompts[:8]))
             rounds: dict[str, list[float]] = {case: [] for case in submits}
-            tails: dict[str, list[float]] = {case: [] for case in submits}
+            phases: dict[str, dict[str, list[float]]] = {case: {"prefill": [], "decode": [], "tail": []} for case in submits}
             worker = {case: WorkerTime() for case in cases}
             for r in range(args.rounds):
                 for case, submit in submits.items():
                     engine = cases[case][0] if case in cases else None
                     before = await engine.stats() if engine else None
-                    tok_s, tail = await batch(workload, submit, prompts, last_outputs.get(id(engine)))
-                    rounds[case].append(tok_s)
-                    tails[case].append(tail)
+                    timed = await batch(workload, submit, prompts, times[id(engine if engine else plain)])
+                    rounds[case].append(timed["tok_per_s"])
+                    for phase, values in phases[case].items():
+                        values.append(round(timed[phase] * 1e3, 2))
                     if engine:
                         worker[case].add(before, await engine.stats())
-                    print(f"{name} round {r} {case}: {tok_s:.0f} tok/s, {tail * 1e3:.1f} ms after vLLM's last output", flush=True)
+                    print(f"{name} round {r} {case}: {timed['tok_per_s']:.0f} tok/s; ms prefill {timed['prefill'] * 1e3:.1f}, "
+                          f"decode {timed['decode'] * 1e3:.1f}, after vLLM {timed['tail'] * 1e3:.1f}", flush=True)
             results[name] = summarize(rounds)
+            for case, values in phases.items():
+                results[name][case]["ms_per_phase"] = values
             for case, time_spent in worker.items():
                 results[name][case]["worker_us_per_step"] = time_spent.per_step()
-                results[name][case]["ms_after_last_output"] = [round(t * 1e3, 2) for t in tails[case]]
             gc.collect()
     finally:
         for engine in engines.values():

@@ -43,7 +43,8 @@ FLOAT32_ROWS_PER_BLOCK = 32
 CHUNK_BLOCKS = 256  # the arena grows by this many blocks: 128 MiB for a 4096-wide model
 # cudaHostRegister holds up every other CUDA call of the process while it pins (62 ms for 128 MiB
 # on an H200 host: a step loop stand-in ran at half speed meanwhile, bench/gpu/register_stall.py),
-# so a chunk is registered this much at a time, and the grower pauses between pieces
+# so a chunk grown while the engine serves is registered this much at a time, and the grower
+# pauses between pieces (the start-up reserve goes in one piece: nothing runs yet to hold up)
 PIN_PIECE_BYTES = 8 << 20
 # By default the arenas of all replicas on a node may take half of the file system, split evenly
 # between them (one replica per GPU, at least two shares): the other half stays for Ray's object
@@ -122,7 +123,8 @@ class HostPinning(Protocol):
 
     def unregister(self, address: int, size: int) -> None: ...
 
-    def copy(self, target: int, source: int, size: int, stream: int) -> None: ...
+    def copy(self, target: int, target_pitch: int, source: int, source_pitch: int, width: int, height: int,
+             stream: int) -> None: ...
 
 
 class HostArena:
@@ -140,7 +142,8 @@ class HostArena:
         self.max_bytes = arena_limit_bytes(directory, max_bytes)
         self.chunk_blocks, self.max_chunks = arena_geometry(self.max_bytes, layout.block_bytes, chunk_blocks)
         self.chunk_bytes = self.chunk_blocks * layout.block_bytes
-        self.pin_bytes = pin_piece_blocks(self.chunk_blocks, layout.block_bytes) * layout.block_bytes
+        self.pin_blocks = pin_piece_blocks(self.chunk_blocks, layout.block_bytes)  # per registration
+        self.pin_bytes = self.pin_blocks * layout.block_bytes
         self.fd = os.open(layout.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         size = max(self.max_chunks * self.chunk_bytes, mmap.PAGESIZE)  # a limit below one block maps a page
         os.ftruncate(self.fd, size)
@@ -154,14 +157,35 @@ class HostArena:
         self.growth_wanted = threading.Event()  # set by `allocate` when free blocks run below the margin
         self._allocation_waits = False  # the step loop waits for a chunk: the grower stops pausing
         self.ahead_chunks = 2  # free chunks `grow_ahead` keeps at least (0: the arena grows only on demand)
-        # reserved now, so a first batch finds its pages faulted in (and registered) like a warm one
-        wanted = min(-(-reserve_bytes // self.chunk_bytes), self.max_chunks)
+        self.whole_blocks = 0  # blocks registered at start-up, in one piece
+        self._reserve(min(-(-reserve_bytes // self.chunk_bytes), self.max_chunks))
+        self.kept_chunks = self.chunks
+
+    def _reserve(self, chunks: int) -> None:
+        """Reserve the first chunks now, so a first batch finds its pages faulted in like a warm
+        one. On a GPU they are registered in one piece: no step loop runs yet to be held up, and
+        a step's copies into them never break at a registration's edge."""
+        reserved = 0
         try:
-            while self.chunks < wanted:
-                self._grow()
+            while reserved < chunks:
+                os.posix_fallocate(self.fd, reserved * self.chunk_bytes, self.chunk_bytes)
+                reserved += 1
         except OSError:  # /dev/shm is fuller than the reserve: the rest comes as it is needed
             pass
-        self.kept_chunks = self.chunks
+        if not reserved:
+            return
+        if self.pin is not None:  # registering faults the pages in
+            self.pin.register(self._address(0), reserved * self.chunk_bytes)
+        else:
+            self.bytes[: reserved * self.chunk_bytes] = 0
+        self.whole_blocks = reserved * self.chunk_blocks
+        self.is_free[: self.whole_blocks] = True
+        self.chunks = reserved
+
+    def registration(self, blocks: np.ndarray) -> np.ndarray:
+        """Which registration with the device each block lies in (a copy must stay inside one):
+        -1 for the start-up reserve, then one per piece of `pin_blocks`."""
+        return np.where(blocks < self.whole_blocks, -1, blocks // self.pin_blocks)
 
     @property
     def reserved_bytes(self) -> int:

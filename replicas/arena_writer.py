@@ -1,10 +1,12 @@
 """The step loop's side of the arena: a step's captured rows go from the device straight into
 their arena blocks, with no copy on the host.
 
-On a GPU the arena's chunks are registered with CUDA as they are reserved. A small step (decode)
-is written by one `index_copy_` kernel on the copy stream, every row into its block over PCIe; a
-large one (prefill) by the copy engines, one `cudaMemcpyAsync` per run of consecutive arena rows,
-so that hundreds of MB streaming to the host take no SMs from the next step's forward. The outbox
+On a GPU the arena's chunks are registered with CUDA as they are reserved (the start-up reserve
+in one piece). A small step (decode) is written by one `index_copy_` kernel on the copy stream,
+every row into its block over PCIe; a large one (prefill) by the copy engines, so that hundreds of
+MB streaming to the host take no SMs from the next step's forward: a `cudaMemcpy2DAsync` per
+request and step, all hooks at once (a request's blocks are one run, hook after hook), or per
+hook and run of consecutive arena rows where its blocks do not allow that. The outbox
 thread only waits for the copy stream before it publishes a result. On the CPU engine the same
 `index_copy_` writes through a CPU view of the mapping. Before, rows went device -> pinned
 staging -> a numpy scatter on the outbox thread: a host copy at a few GB/s that capped bulk
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +31,7 @@ from replicas.plans import concatenated_ranges
 
 REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the addresses (UVA)
+MAX_PITCH_BYTES = (1 << 31) - 1  # the largest pitch cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch)
 
 
 class CudaHostMemory:
@@ -37,8 +41,9 @@ class CudaHostMemory:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
-        self._copy = lib.cudaMemcpyAsync
-        self._copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._copy = lib.cudaMemcpy2DAsync
+        self._copy.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                               ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self._copy.restype = ctypes.c_int
 
     @classmethod
@@ -63,11 +68,15 @@ class CudaHostMemory:
     def unregister(self, address: int, _size: int) -> None:
         self.lib.cudaHostUnregister(ctypes.c_void_p(address))
 
-    def copy(self, target: int, source: int, size: int, stream: int) -> None:
-        """An asynchronous copy on `stream` (a cudaStream_t), by the copy engines."""
-        code = self._copy(target, source, size, MEMCPY_DEFAULT, stream)
+    def copy(self, target: int, target_pitch: int, source: int, source_pitch: int, width: int, height: int,
+             stream: int) -> None:
+        """An asynchronous copy of `height` rows of `width` bytes on `stream` (a cudaStream_t), by
+        the copy engines."""
+        code = self._copy(target, target_pitch, source, source_pitch, width, height, MEMCPY_DEFAULT, stream)
         if code != 0:
-            raise RuntimeError(f"cudaMemcpyAsync of {size} bytes into the capture arena failed with CUDA error {code}")
+            raise RuntimeError(
+                f"cudaMemcpy2DAsync of {height} x {width} bytes into the capture arena failed with CUDA error {code}"
+            )
 
 
 class _DeviceWindow:
@@ -117,14 +126,70 @@ class Destinations:
         n = len(self.block)
         return packed[:n], packed[n:].view(self.blocks.shape[0], n)
 
+    def runs(self, registration: Callable[[np.ndarray], np.ndarray], max_pitch_rows: int) -> Runs:
+        """The copies that put the step's rows in place. Per hook, each run of step rows that lands
+        on consecutive arena rows inside one registration (`registration` numbers them; CUDA
+        refuses a copy across two), worked out per segment (a request's rows inside one block)
+        rather than per row: a prefill step holds thousands of rows per hook but a few blocks per
+        request. Then the same run of every hook becomes one 2D copy where their targets lie
+        evenly apart (a request's blocks are one run: hook after hook) inside one registration,
+        at most `max_pitch_rows` apart: a copy per request and step instead of per hook."""
+        n = len(self.block)
+        starts_segment = np.ones(n, bool)
+        starts_segment[1:] = (np.diff(self.block) != 0) | (np.diff(self.slot) != 1)
+        segment = np.flatnonzero(starts_segment)
+        length = np.diff(np.append(segment, n))
+        blocks = self.blocks[:, self.block[segment]]  # [hooks, segments]
+        target = blocks * self.per_block + self.slot[segment]
+        pieces = registration(blocks)
+        joined = np.zeros(blocks.shape, bool)
+        joined[:, 1:] = (target[:, :-1] + length[:-1] == target[:, 1:]) & (pieces[:, :-1] == pieces[:, 1:])
+        hook, first = np.nonzero(~joined)  # hook by hook; each hook's first segment starts a run
+        width = len(segment)
+        last = np.append(hook[1:] * width + first[1:], blocks.size) - hook * width  # the next run's start, or the hook's end
+        rows_before = np.concatenate([[0], np.cumsum(length)])
+        runs = Runs(hook, np.ones_like(hook), segment[first], target[hook, first], np.zeros_like(hook),
+                    rows_before[last] - rows_before[first])
+        return runs.across_hooks(len(blocks), lambda rows: registration(rows // self.per_block), max_pitch_rows)
 
-def consecutive_runs(targets: np.ndarray, row_bytes: int, pin_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first source row, first target row, rows) of each run of rows i whose targets[i] go up by
-    one, split where two of the arena's registrations (`HostArena.pin_bytes` each) meet: CUDA
-    refuses a copy that spans two."""
-    piece = targets * row_bytes // pin_bytes
-    starts = np.flatnonzero(np.concatenate([[True], (np.diff(targets) != 1) | (np.diff(piece) != 0)]))
-    return starts, targets[starts], np.diff(np.append(starts, len(targets)))
+
+@dataclass
+class Runs:
+    """Copies of a step's rows into the arena, each `height` hooks from `hook` on: rows[i] rows
+    from step row source[i] on, to arena row target[i] on for the first hook and `pitch[i]` arena
+    rows further for each next one (the arena read as rows of the capture's size)."""
+
+    hook: np.ndarray
+    height: np.ndarray
+    source: np.ndarray
+    target: np.ndarray
+    pitch: np.ndarray
+    rows: np.ndarray
+
+    def across_hooks(self, hooks: int, registration: Callable[[np.ndarray], np.ndarray], max_pitch_rows: int) -> Runs:
+        """These one-hook runs with each run that every hook has alike (the same step rows,
+        targets evenly apart and at least a run apart, one registration from the first row to
+        the last) made one copy of `hooks` rows."""
+        per_hook = len(self.hook) // hooks
+        if hooks == 1 or (np.bincount(self.hook, minlength=hooks) != per_hook).any():
+            return self
+        source, rows, target = (a.reshape(hooks, per_hook) for a in (self.source, self.rows, self.target))
+        pitch = target[1] - target[0]
+        whole = ((source == source[0]).all(0) & (rows == rows[0]).all(0) & (np.diff(target, axis=0) == pitch).all(0)
+                 & (pitch >= rows[0]) & (pitch <= max_pitch_rows)
+                 & (registration(target[0]) == registration(target[-1] + rows[-1] - 1)))
+        if not whole.any():
+            return self
+        apart = np.broadcast_to(~whole, (hooks, per_hook)).ravel()
+        merged = whole.sum()
+        return Runs(
+            np.concatenate([np.zeros(merged, np.int64), self.hook[apart]]),
+            np.concatenate([np.full(merged, hooks), self.height[apart]]),
+            np.concatenate([source[0, whole], self.source[apart]]),
+            np.concatenate([target[0, whole], self.target[apart]]),
+            np.concatenate([pitch[whole], self.pitch[apart]]),
+            np.concatenate([rows[0, whole], self.rows[apart]]),
+        )
 
 
 class ArenaWriter:
@@ -185,22 +250,28 @@ class ArenaWriter:
         step (decode) takes one kernel, cheaper than a copy per run of a row or two."""
         return self.device.type == "cuda" and destinations.arena_rows_count >= COPY_ENGINE_MIN_ROWS
 
-    def copy_runs(self, rows: torch.Tensor, arena_rows: np.ndarray, stream: torch.cuda.Stream | None) -> None:
-        """rows [hooks, n, width] into arena rows arena_rows ([hooks, n], on the host), one copy
-        per run of consecutive arena rows (a request's rows of a hook, its blocks being one run),
-        through the arena's pinning (`HostPinning.copy`) on `stream`; the caller records the event
-        the outbox waits for."""
-        rows = rows.contiguous()
-        row_bytes = rows.shape[-1] * rows.element_size()
-        starts, targets, lengths = consecutive_runs(arena_rows.ravel(), row_bytes, self.arena.pin_bytes)
+    def copy_runs(self, rows: torch.Tensor, runs: Runs, stream: torch.cuda.Stream | None) -> None:
+        """rows [hooks, n, width] (contiguous) into the arena by `runs`, a (2D) `cudaMemcpyAsync`
+        each through the arena's pinning (`HostPinning.copy`), on `stream`; the caller records
+        the event the outbox waits for."""
+        steps, row_bytes = rows.shape[1], rows.shape[2] * rows.element_size()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         handle = stream.cuda_stream if stream is not None else 0
-        source = rows.data_ptr()
-        for start, target, n in zip(starts.tolist(), targets.tolist(), lengths.tolist()):
-            self.arena.pin.copy(self.address + target * row_bytes, source + start * row_bytes, n * row_bytes, handle)
+        source_pitch, copy, arena, base = steps * row_bytes, self.arena.pin.copy, self.address, rows.data_ptr()
+        for hook, height, source, target, pitch, n in zip(*(a.tolist() for a in (runs.hook, runs.height, runs.source,
+                                                                                   runs.target, runs.pitch, runs.rows))):
+            width = n * row_bytes
+            flat = height == 1  # pitches matter only between a copy's rows
+            copy(arena + target * row_bytes, width if flat else pitch * row_bytes, base + (hook * steps + source) * row_bytes,
+                 width if flat else source_pitch, width, height, handle)
         if stream is not None:
             rows.record_stream(stream)  # its memory is not reused before the copies end
+
+    def max_pitch_rows(self, steps: int, row_bytes: int) -> int:
+        """Most arena rows between the hooks of one copy: 0 (none) when the step's own rows lie
+        further apart than CUDA takes."""
+        return MAX_PITCH_BYTES // row_bytes if steps * row_bytes <= MAX_PITCH_BYTES else 0
 
     def write(self, rows: torch.Tensor, index: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """rows [hooks, n, width] (contiguous) into arena rows index ([hooks * n], on the device),

@@ -97,15 +97,18 @@ class EngineConfig(BaseModel):
     arena_reserve_bytes: int | None = Field(
         None, ge=0,
         description="Shared memory the capture arena reserves at start-up, pages faulted in (and on a GPU "
-        "registered with CUDA), so a first large capture runs as fast as later ones; it keeps this much when idle "
-        "and grows past it as needed, up to arena_max_bytes (on a GPU registering new memory holds up the step "
-        "loop a little). For N large captures at once: N x replicas.arena.capture_arena_bytes(hooks, rows, row "
-        "bytes, d_model). Default: 1 GiB on a GPU, 64 MiB on the CPU engine.",
+        "registered with CUDA, in one piece), so a first large capture runs as fast as later ones and a step's "
+        "rows go into it by the fewest copies; it keeps this much when idle and grows past it as needed, up to "
+        "arena_max_bytes (on a GPU registering new memory holds up the step loop a little). For N large captures "
+        "at once: N x replicas.arena.capture_arena_bytes(hooks, rows, row bytes, d_model). Default: 1 GiB on a "
+        "GPU, 64 MiB on the CPU engine.",
     )
     max_step_temp_bytes: int = Field(
         256 << 20, gt=0,
         description="Most device memory one step's capture gather or logits computation takes at once, outside "
-        "vLLM's memory profile; larger steps are computed in row chunks of this size.",
+        "vLLM's memory profile; larger steps are computed in row chunks of this size. Except a large step's "
+        "captured rows on a GPU: gathered whole (hooks x rows x width) for the copy engines, and freed as they "
+        "reach host memory.",
     )
     max_set_edits: int = Field(
         4, ge=1, le=64,

@@ -105,8 +105,10 @@ class MemmovePinning:
     def unregister(self, address: int, size: int) -> None:
         pass
 
-    def copy(self, target: int, source: int, size: int, stream: int) -> None:
-        ctypes.memmove(target, source, size)
+    def copy(self, target: int, target_pitch: int, source: int, source_pitch: int, width: int, height: int,
+             stream: int) -> None:
+        for row in range(height):
+            ctypes.memmove(target + row * target_pitch, source + row * source_pitch, width)
         self.copies += 1
 
 
@@ -130,6 +132,25 @@ def test_rows_come_back_in_order_across_blocks_and_interleaved_requests(host):
         assert [a.shape for a in rows.values()] == [(buffers.n_rows, D_MODEL)] * len(HOOKS)
         for i, name in enumerate(HOOKS):
             np.testing.assert_array_equal(rows[name], expected[i])
+
+
+def test_a_narrower_hook_of_a_group_lands_zero_padded(host):
+    """A capture group as wide as its widest hook (attention heads: k narrower than q): the
+    narrower hook's rows land with zeros on the right, by kernel or by copy engine."""
+    rng = np.random.default_rng(5)
+    buffers = host.buffers(request_plan(prompt_len=100, max_tokens=1))
+    staged = [rng.standard_normal((100, D_MODEL if i != 1 else D_MODEL // 2), dtype=np.float32) for i in range(len(HOOKS))]
+    sites = [SimpleNamespace(staging=torch.from_numpy(a)) for a in staged]
+    host.collector.group_sites = [(sites, "float32", "none")]
+    for lo, n in [(0, 70), (70, 30)]:
+        selection = Selection([SimpleNamespace(buffers=buffers)], np.arange(lo, lo + n), np.array([0]), np.array([n]), np.array([lo]))
+        buffers.n_rows += n
+        host.collector._hand_over_rows(0, selection)
+    rows = host.result(buffers)
+    for i, name in enumerate(HOOKS):
+        expected = np.zeros((100, D_MODEL), np.float32)
+        expected[:, : staged[i].shape[1]] = staged[i]
+        np.testing.assert_array_equal(rows[name], expected)
 
 
 def test_blocks_are_reused_and_a_new_chunk_comes_only_when_all_are_in_use(host):
@@ -383,14 +404,16 @@ def test_the_reserve_is_faulted_in_and_registered_at_start_and_kept_when_idle(tm
     layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)  # 1 KiB blocks, 256 KiB chunks
     pin = RecordedPinning()
     arena = HostArena(layout, reserve_bytes=600 << 10, pin=pin)  # rounds up to 3 chunks
-    base = arena.bytes.ctypes.data
+    base, reserve = arena.bytes.ctypes.data, (base_blocks := 3 * arena.chunk_blocks) * layout.block_bytes
     assert arena.chunks == arena.kept_chunks == 3 and shm_bytes_of(layout.path) == 3 * arena.chunk_bytes
-    assert pin.registered == {(base + i * arena.chunk_bytes, arena.chunk_bytes) for i in range(3)}
+    assert pin.registered == {(base, reserve)}  # in one piece: nothing runs yet that it could hold up
     blocks = arena.allocate(4 * arena.chunk_blocks)  # one chunk more
-    assert arena.chunks == 4 and len(pin.registered) == 4
+    assert arena.chunks == 4 and len(pin.registered) == 2
+    chunk_3 = np.arange(base_blocks, base_blocks + arena.chunk_blocks)
+    assert (arena.registration(np.arange(base_blocks)) == -1).all() and (arena.registration(chunk_3) >= 0).all()
     arena.release(blocks)
     arena.shrink()
-    assert arena.chunks == 3 and len(pin.registered) == 3 and shm_bytes_of(layout.path) == 3 * arena.chunk_bytes
+    assert arena.chunks == 3 and pin.registered == {(base, reserve)} and shm_bytes_of(layout.path) == 3 * arena.chunk_bytes
     assert arena.blocks_in_use == 0 and arena.is_free[: 3 * arena.chunk_blocks].all() and not arena.is_free[3 * arena.chunk_blocks :].any()
 
 
@@ -420,18 +443,18 @@ def test_chunks_are_registered_in_pieces_with_pauses_on_the_grower(tmp_path, mon
     arena = HostArena(layout, reserve_bytes=256 << 10, pin=pin)
     base = arena.bytes.ctypes.data
     assert arena.pin_bytes == 64 << 10
-    assert pin.registered == {(base + i * (64 << 10), 64 << 10) for i in range(4)}
+    assert pin.registered == {(base, 256 << 10)}  # the reserve, in one piece
     assert pauses == []  # the reserve, at start-up: no step loop to make way for
     for allocation_waits in (False, True):
         pauses.clear()
         arena.allocate(100)  # 156 free: two chunks ahead
         arena._allocation_waits = allocation_waits  # as while `allocate` waits for the grower's chunk
         arena.grow_ahead()
-        assert arena.chunks == 3 and len(pin.registered) == 12
+        assert arena.chunks == 3 and len(pin.registered) == 9
         assert len(pauses) == (0 if allocation_waits else 8) and all(p > 0 for p in pauses)
         arena.release(np.arange(100))
         arena.shrink()
-        assert pin.registered == {(base + i * (64 << 10), 64 << 10) for i in range(4)}
+        assert pin.registered == {(base, 256 << 10)}
 
     (tmp_path / "failing").mkdir()
     failing = HostArena(ArenaLayout.for_model(str(tmp_path / "failing"), D_MODEL), pin=FailingPinning(registered_before=2))
@@ -441,12 +464,18 @@ def test_chunks_are_registered_in_pieces_with_pauses_on_the_grower(tmp_path, mon
 
 
 def test_copies_break_where_two_registrations_meet(tmp_path, monkeypatch):
-    """A capture's run of rows across a piece boundary goes by two copies; its rows read back whole."""
+    """A capture's run of rows across a piece boundary goes by two copies, and no copy spans two
+    pieces (a copy of several hooks neither); its rows read back whole."""
     monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", 2 << 10)  # two blocks
     host = Host(str(tmp_path), by_copy_engine=True)
     copies: list[tuple[int, int]] = []
     memmove = host.arena.pin.copy
-    host.arena.pin.copy = lambda target, source, size, stream: (copies.append((target, size)), memmove(target, source, size, stream))
+
+    def copy(target, target_pitch, source, source_pitch, width, height, stream):
+        copies.append((target, (height - 1) * target_pitch + width))
+        memmove(target, target_pitch, source, source_pitch, width, height, stream)
+
+    host.arena.pin.copy = copy
     rng = np.random.default_rng(9)
     buffers = host.buffers(request_plan(prompt_len=200, max_tokens=1))  # 7 blocks a hook, in one run
     host.step([(buffers, 130)], rng)
@@ -586,8 +615,8 @@ def test_a_capture_on_scattered_blocks_reads_back_whole(tmp_path, by_copy_engine
     host.step([(buffers, 130)], rng)
     host.step([(buffers, 70)], rng)
     assert not (np.diff(host.table.table[buffers.table_slot, :21]) == 1).any()
-    if by_copy_engine:  # a copy per block a step writes: 5 blocks per hook, then 3 (one shared)
-        assert host.arena.pin.copies == len(HOOKS) * (5 + 3)
+    if by_copy_engine:  # a copy per block a step writes: 5 blocks, then 3 (one shared)
+        assert host.arena.pin.copies == 5 + 3  # the hooks' blocks lie evenly apart: each copy takes all three
     rows = host.result(buffers)
     for i, name in enumerate(HOOKS):
         np.testing.assert_array_equal(rows[name], host.expected(buffers)[i])

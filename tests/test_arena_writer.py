@@ -9,22 +9,68 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.arena_writer import consecutive_runs
+from replicas.arena_writer import Destinations
 from replicas.outbox import Outbox, RequestBuffers
 from tests.test_arena import D_MODEL, HOOKS, request_plan
 
 
-def test_runs_break_where_arena_rows_jump_and_where_registrations_meet():
-    targets = np.array([5, 6, 7, 20, 21, 3, 30, 31, 32, 33])
-    starts, firsts, lengths = consecutive_runs(targets, row_bytes=8, pin_bytes=8 * 32)  # registrations of 32 rows
-    assert starts.tolist() == [0, 3, 5, 6, 8] and firsts.tolist() == [5, 20, 3, 30, 32] and lengths.tolist() == [3, 2, 1, 2, 2]
+def test_runs_join_a_requests_consecutive_blocks_and_break_at_jumps_and_registrations():
+    """Two hooks, blocks of 4 rows, registrations of 4 blocks. Request A's 7 rows start at its
+    row 2 (blocks 10, 11, 12 for hook 0: 10 and 11 are one registration, 12 the next; blocks 20,
+    21, 22 for hook 1, one run); request B's 3 rows go to block 5 (hook 0) and 40 (hook 1). The
+    hooks' runs differ, so each goes by a copy of its own."""
+    destinations = Destinations(
+        blocks=np.array([[10, 11, 12, 5], [20, 21, 22, 40]]),
+        block=np.array([0, 0, 1, 1, 1, 1, 2, 3, 3, 3]),
+        slot=np.array([2, 3, 0, 1, 2, 3, 0, 0, 1, 2]),
+        per_block=4,
+    )
+    runs = destinations.runs(lambda blocks: blocks // 4, max_pitch_rows=1000)
+    assert runs.hook.tolist() == [0, 0, 0, 1, 1] and runs.height.tolist() == [1] * 5
+    assert runs.source.tolist() == [0, 6, 7, 0, 7]
+    assert runs.target.tolist() == [42, 48, 20, 82, 160]
+    assert runs.rows.tolist() == [6, 1, 3, 7, 3]
+    assert_runs_cover(destinations, runs)
+
+
+def test_a_requests_run_on_every_hook_goes_by_one_copy_where_its_blocks_allow():
+    """Three hooks, blocks of 4 rows. Request A's blocks are one run, hook after hook (3 blocks a
+    hook from block 100): its 8 rows go by one copy of three hooks 12 rows apart. Request B's blocks
+    lie unevenly: a copy per hook. No copy of several hooks across two registrations, or with
+    its hooks further apart than CUDA takes."""
+    a = np.array([[100, 101, 102], [103, 104, 105], [106, 107, 108]])
+    destinations = Destinations(
+        blocks=np.concatenate([a, np.array([[7], [9], [30]])], axis=1),
+        block=np.array([0, 0, 1, 1, 1, 1, 2, 2, 3]),
+        slot=np.array([2, 3, 0, 1, 2, 3, 0, 1, 0]),
+        per_block=4,
+    )
+    runs = destinations.runs(lambda blocks: np.full_like(blocks, -1), max_pitch_rows=1000)
+    assert list(zip(runs.hook, runs.height, runs.source, runs.target, runs.pitch, runs.rows)) == [
+        (0, 3, 0, 402, 12, 8), (0, 1, 8, 28, 0, 1), (1, 1, 8, 36, 0, 1), (2, 1, 8, 120, 0, 1)]
+    assert_runs_cover(destinations, runs)
+    for registration, max_pitch_rows in [(lambda blocks: blocks // 106, 1000), (lambda blocks: blocks * 0, 11)]:
+        apart = destinations.runs(registration, max_pitch_rows)
+        assert apart.height.tolist() == [1] * 6
+        assert_runs_cover(destinations, apart)
+
+
+def assert_runs_cover(destinations: Destinations, runs) -> None:
+    """The runs put every step row of every hook where `arena_rows` says, once."""
+    arena_rows = destinations.arena_rows()
+    covered = np.zeros(arena_rows.shape, int)
+    for hook, height, source, target, pitch, n in zip(runs.hook, runs.height, runs.source, runs.target, runs.pitch, runs.rows):
+        for h in range(height):
+            assert arena_rows[hook + h, source : source + n].tolist() == list(range(target + h * pitch, target + h * pitch + n))
+            covered[hook + h, source : source + n] += 1
+    assert (covered == 1).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engines write registered host memory: GPU suite")
 @pytest.mark.parametrize("pin_piece_bytes", [8 << 20, 4 << 10])
 def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader_looks(monkeypatch, pin_piece_bytes):
-    """Whole chunks registered at once, or in pieces of 4 blocks (CUDA refuses a copy across two
-    registrations; the kernel writes across them)."""
+    """Rows past the start-up reserve (registered whole), in chunks registered whole or in pieces
+    of 4 blocks (CUDA refuses a copy across two registrations; the kernel writes across them)."""
     monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", pin_piece_bytes)
     device = torch.device("cuda")
     torch.cuda.init()
@@ -32,6 +78,8 @@ def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader
     outbox = Outbox(shared.name, D_MODEL, arena_max_bytes=1 << 20, device=device)
     writer = outbox.writer
     assert writer.device.type == "cuda", "the arena was not registered with the GPU"
+    assert outbox.arena.chunks == 1 and outbox.arena.whole_blocks == outbox.arena.chunk_blocks
+    outbox.arena.allocate(outbox.arena.chunk_blocks)  # the reserve, held: the captures land in grown chunks
     plan = request_plan(prompt_len=200, max_tokens=1)
     buffers = [RequestBuffers.for_plan(plan, D_MODEL, 16, outbox.arena_layout) for _ in range(3)]
     counts, dests = np.array([130, 70, 200]), np.array([0, 0, 0])
@@ -40,7 +88,9 @@ def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader
     rows = torch.randn(len(HOOKS), int(counts.sum()), D_MODEL, device=device)
     stream = torch.cuda.Stream(device)
     landed = outbox.arena.bytes[: (int(arena_rows.max()) + 1) * D_MODEL * 4].view(np.float32).reshape(-1, D_MODEL)
-    writer.copy_runs(rows, arena_rows, stream)
+    runs = destinations.runs(outbox.arena.registration, writer.max_pitch_rows(rows.shape[1], D_MODEL * 4))
+    assert (runs.height > 1).any() == (pin_piece_bytes > 4 << 10)  # in small pieces a copy of several hooks never fits
+    writer.copy_runs(rows, runs, stream)
     stream.synchronize()
     np.testing.assert_array_equal(landed[arena_rows], rows.cpu().numpy())
     landed[:] = 0

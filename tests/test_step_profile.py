@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from replicas.engine_config import StepProfile
-from replicas.step_profile import StepProfiler
+from replicas.step_profile import StepProfiler, covered, describe_timeline
 
 
 def test_the_window_covers_exactly_its_steps_and_names_capserve_phases(tmp_path):
@@ -35,3 +35,15 @@ def test_the_window_covers_exactly_its_steps_and_names_capserve_phases(tmp_path)
 
 def _step_work(x: torch.Tensor) -> torch.Tensor:
     return x @ x / 32
+
+
+def test_the_timeline_counts_device_idle_time_between_steps_and_overlaps_once():
+    ms = 1_000_000
+    steps = [0, 10 * ms, 20 * ms]  # two steps of 10 ms
+    device = [(0, 6 * ms, 7), (4 * ms, 8 * ms, 9),  # overlapping on two streams: 8 ms busy
+              (10 * ms, 19 * ms, 7),  # 9 ms busy
+              (19 * ms, 30 * ms, 7)]  # 1 ms inside the window
+    line = describe_timeline(steps, device)
+    assert line.startswith("2 steps, median 10.000 ms; device idle 10.0% of the window (1000 us a step)")
+    assert "7: 80.0%" in line and "9: 20.0%" in line
+    assert covered([(0, 5), (1, 2), (4, 9), (12, 13)]) == 10
