@@ -17,11 +17,12 @@ all stored as `--dtype` (bfloat16 by default). Plain prefill is the same prompts
 same Router with max_tokens=1 and no capture, as many in flight as the capture path keeps, so
 every ratio is measured in one run on warm engines. The sink folder's raw write speed is measured
 too: shard-sized safetensors files written (fsynced, renamed) by as many threads as the replicas'
-writers together, and case c's GB/s is reported against it.
+writers together (`--sink-threads` each, the app's `sink.threads`), and case c's GB/s is reported
+against it.
 
 Memory: a case's prompt count is capped so that its shards fit in `--sink-fill` of the sink
 folder's free space (the shards of each case are deleted before the next one), and a shard holds
-about `--shard-gb` (replicas hold two unwritten shards each); caps are reported. Each replica
+about `--shard-gb` (replicas hold `--sink-threads` + 1 unwritten shards each); caps are reported. Each replica
 count runs in its own process (a fresh Ray cluster, engines warm across the cases within it).
 Results merge into `<out>/dataset_<config>.json` (runs keyed by replica count).
 """
@@ -65,7 +66,6 @@ from bench.common import (
 )
 
 CASES = ("a", "b", "c")
-SINK_THREADS = 2  # ReplicaOptions.sink_threads' default: each replica's writer threads
 MAX_SHARD_LINES = 1024  # the CLI's default --shard-lines
 
 
@@ -285,7 +285,8 @@ def app_args(model: str, args: argparse.Namespace, replicas: int, shape: dict[st
     cap = shape["n_layers"] * (args.prompt_len + 1) * shape["d_model"] * 4  # every row, the largest dtype
     return {"model": model, "device": args.device, "num_replicas": replicas, "max_capture_bytes": cap,
             "replica_max_ongoing_requests": 1024, "engine": dummy_engine_options(args.config, ["resid_post"]),
-            "drain_timeout_s": 10.0, "health_check_timeout_s": 120.0}
+            "drain_timeout_s": 10.0, "health_check_timeout_s": 120.0,
+            "sink": {"threads": args.sink_threads, "max_unwritten": args.sink_threads + 1}}
 
 
 def wait_for_replicas(replicas: int, timeout_s: float = 900.0) -> None:
@@ -316,7 +317,7 @@ def via_serve(model: str, args: argparse.Namespace, replicas: int, work: Path) -
         serve.run(build_app(app_args(model, args, replicas, shape)), name="capserve", route_prefix="/")
         wait_for_replicas(replicas)
         out["boot_s"] = time.perf_counter() - started
-        out["sink_write"] = sink_write_speed(work, SINK_THREADS * replicas, int(args.probe_gb * 1e9),
+        out["sink_write"] = sink_write_speed(work, args.sink_threads * replicas, int(args.probe_gb * 1e9),
                                              int(min(args.shard_gb * 1e9, table["c"].bytes_per_line * MAX_SHARD_LINES)))
         print(f"  sink {work}: {out['sink_write']['gb_per_s']:.2f} GB/s raw write", flush=True)
         for name in args.cases:
@@ -412,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16", help="stored dtype")
     parser.add_argument("--sink", choices=("replica", "driver"), default="replica", help="who writes the shards")
     parser.add_argument("--sink-dir", default=None, help="where the shards go (default /dev/shm on the GPU, else the temp folder)")
+    parser.add_argument("--sink-threads", type=int, default=2,
+                        help="each replica's shard writers (args sink.threads; the write probe uses as many per replica)")
     parser.add_argument("--sink-fill", type=float, default=0.5, help="fraction of the sink's free space a case may fill")
     parser.add_argument("--concurrency", type=int, default=64, help="capserve capture --concurrency")
     parser.add_argument("--shard-lines", type=int, default=0, help="lines per shard (default 0: about --shard-gb, at most 1024)")

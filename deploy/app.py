@@ -54,6 +54,7 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
         drain_timeout_s=args.drain_timeout_s,
         health_timeout_s=args.health_check_timeout_s,
         fault_injection=args.fault_injection,
+        sink=args.sink,
     )
     replicas = serve.deployment(EngineReplica, name="EngineReplica").options(
         **replica_scaling(args, device),

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from replicas.engine_config import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
 from replicas.replica import TINY_PREFIX, is_tiny
+from replicas.sink import SinkOptions
 
 API_KEY_ENV = "CAPSERVE_API_KEY"
 # The built-in tiny models' chat template writes Hermes tool calls; their random weights need the
@@ -203,6 +204,9 @@ class AppArgs(BaseModel):
     max_batch_size: int = Field(1024, ge=1, description="Most requests in one capture_batch call.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions)
     openai: OpenAIOptions = Field(default_factory=OpenAIOptions, description="The OpenAI-compatible routes.")
+    sink: SinkOptions = Field(
+        default_factory=SinkOptions, description="Each replica's shard writers for `capserve capture --sink replica`."
+    )
     router_replicas: int = Field(
         1, ge=1, description="Router deployment replicas; only 1 is supported (the cost ledger lives in the Router)."
     )

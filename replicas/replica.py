@@ -36,7 +36,7 @@ from replicas.errors import (
     ReplicaUnavailableError,
 )
 from replicas.lifeline import engine_processes
-from replicas.sink import ShardJob, ShardSink, run_shard, shard_job
+from replicas.sink import ShardJob, ShardSink, SinkOptions, run_shard, shard_job
 from replicas.validation import validated
 
 logger = logging.getLogger("capserve.replica")
@@ -66,15 +66,7 @@ class ReplicaOptions(BaseModel):
         description="Tests only: allow `stall()`, which wedges this replica. Off unless AppArgs.fault_injection; "
         "no HTTP route reaches it.",
     )
-    sink_threads: int = Field(2, ge=1, description="capture_shard: threads writing shards to disk (replicas.sink).")
-    sink_max_unwritten: int = Field(
-        3, ge=1, description="capture_shard: shards whose rows this replica holds at once (capturing or being written). "
-        "One more than sink_threads keeps every writer busy while the engine fills the next shard.",
-    )
-    sink_policy: Literal["wait", "refuse"] = Field(
-        "wait", description="capture_shard past sink_max_unwritten: wait for a slot, or refuse with BackPressureError."
-    )
-
+    sink: SinkOptions = Field(default_factory=SinkOptions, description="capture_shard's writers (replicas.sink).")
 
 def is_tiny(model: str | None) -> bool:
     return model is None or model.startswith(TINY_PREFIX)
@@ -132,7 +124,7 @@ class EngineReplica:
         self._idle.set()
         self._draining = False
         self._metrics = _Metrics()
-        self._sink = ShardSink(self._options.sink_threads, self._options.sink_max_unwritten, self._options.sink_policy)
+        self._sink = ShardSink(**self._options.sink.model_dump())
         if self._options.device == "cpu" and self._options.cpu_bind != "inherit":
             _bind_cpu(self._options.cpu_bind, self._identity["local_rank"])
         config = config.model_copy(update={"model": _resolve_model(config.model)})

@@ -173,6 +173,22 @@ async def publish_shard(threads: Executor | None, folder: Store, k: int, lines: 
     return written.result()
 
 
+class SinkOptions(BaseModel):
+    """A replica's shard writing (`capture_shard`): `sink:` in serve_config.yaml's args."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threads: int = Field(2, ge=1, description="Threads writing shards to disk on each replica.")
+    max_unwritten: int = Field(
+        3, ge=1, description="Shards whose rows a replica holds at once (capturing or being written). One more "
+        "than `threads` keeps every writer busy while the engine fills the next shard.",
+    )
+    policy: SinkPolicy = Field(
+        "wait", description="A job past max_unwritten: wait for a slot, or refuse it with BackPressureError (the "
+        "caller retries later).",
+    )
+
+
 class ShardSink:
     """Bounded writer threads and the backpressure slots of one replica."""
 

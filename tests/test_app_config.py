@@ -12,6 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy.app import build_app, replica_scaling, router_capacity, serve_replica_limit, warn_if_open
 from deploy.config import API_KEY_ENV, AppArgs, read_api_key, resolve_api_key, router_config
+from replicas.sink import ShardSink, SinkOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,6 +67,19 @@ def test_placement_resources_and_autoscaling_delays_reach_the_deployments():
     assert replicas.ray_actor_options["resources"] == {"engine_node": 1.0}
     scaling = replicas._deployment_config.autoscaling_config
     assert (scaling.max_replicas, scaling.upscale_delay_s, scaling.downscale_delay_s, scaling.look_back_period_s) == (3, 2, 7, 3)
+
+
+def test_sink_options_reach_each_replica_and_bad_ones_name_their_field():
+    app = build_app({"device": "cpu", "sink": {"threads": 4, "max_unwritten": 6, "policy": "refuse"}})
+    options = app._bound_deployment.init_args[0]._bound_deployment.init_args[2]
+    assert options.sink == SinkOptions(threads=4, max_unwritten=6, policy="refuse")
+    sink = ShardSink(**options.sink.model_dump())  # as the replica makes it
+    assert (sink._threads._max_workers, sink._max_unwritten, sink._policy) == (4, 6, "refuse")
+    sink.close()
+    assert AppArgs().sink == SinkOptions(threads=2, max_unwritten=3, policy="wait")
+    for bad, field in [({"threads": 0}, "sink.threads"), ({"policy": "drop"}, "sink.policy"), ({"writers": 2}, "sink.writers")]:
+        with pytest.raises(ValidationError, match=field):
+            AppArgs(sink=bad)
 
 
 def test_api_key_comes_from_the_environment_or_a_file_never_from_args(monkeypatch, tmp_path):
