@@ -174,10 +174,7 @@ class HostArena:
             pass
         if not reserved:
             return
-        if self.pin is not None:  # registering faults the pages in
-            self.pin.register(self._address(0), reserved * self.chunk_bytes)
-        else:
-            self.bytes[: reserved * self.chunk_bytes] = 0
+        self._fault_in(0, reserved, one_piece=True)
         self.whole_blocks = reserved * self.chunk_blocks
         self.is_free[: self.whole_blocks] = True
         self.chunks = reserved
@@ -294,15 +291,22 @@ class HostArena:
         # mapping would kill the engine core with SIGBUS
         start = self.chunks * self.chunk_bytes
         os.posix_fallocate(self.fd, start, self.chunk_bytes)
-        if self.pin is not None:  # registering faults the pages in
-            self._register(self._address(self.chunks), pause)
-        else:  # fault the pages in now rather than on the first write of each
-            self.bytes[start : start + self.chunk_bytes] = 0
+        self._fault_in(self.chunks, 1, pause=pause)
         # in this order, so a reader under the arena lock (allocate, on another thread) sees the
         # chunk whole or not at all
         first = self.chunks * self.chunk_blocks
         self.is_free[first : first + self.chunk_blocks] = True
         self.chunks += 1
+
+    def _fault_in(self, chunk: int, chunks: int, one_piece: bool = False, pause: bool = False) -> None:
+        """Fault the chunks' pages in now rather than on the first write of each: on a GPU by
+        registering them (in one piece, or one chunk piece by piece), else by zeroing them."""
+        if self.pin is None:
+            self.bytes[chunk * self.chunk_bytes : (chunk + chunks) * self.chunk_bytes] = 0
+        elif one_piece:
+            self.pin.register(self._address(chunk), chunks * self.chunk_bytes)
+        else:
+            self._register(self._address(chunk), pause)
 
     def _register(self, address: int, pause: bool) -> None:
         """Register a chunk piece by piece; a failure unregisters the pieces done."""

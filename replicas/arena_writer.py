@@ -86,6 +86,12 @@ class _DeviceWindow:
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
 
 
+def max_pitch_rows(steps: int, row_bytes: int) -> int:
+    """Most arena rows between the hooks of one copy: 0 (none) when the step's own rows lie
+    further apart than CUDA takes."""
+    return MAX_PITCH_BYTES // row_bytes if steps * row_bytes <= MAX_PITCH_BYTES else 0
+
+
 def element_type(row_bytes: int) -> torch.dtype:
     """The widest integer type a row is made of: the kernel moves a row in as few stores as it can."""
     for dtype in (torch.int64, torch.int32, torch.int16):
@@ -250,11 +256,12 @@ class ArenaWriter:
         step (decode) takes one kernel, cheaper than a copy per run of a row or two."""
         return self.device.type == "cuda" and destinations.arena_rows_count >= COPY_ENGINE_MIN_ROWS
 
-    def copy_runs(self, rows: torch.Tensor, runs: Runs, stream: torch.cuda.Stream | None) -> None:
-        """rows [hooks, n, width] (contiguous) into the arena by `runs`, a (2D) `cudaMemcpyAsync`
-        each through the arena's pinning (`HostPinning.copy`), on `stream`; the caller records
-        the event the outbox waits for."""
+    def copy_runs(self, rows: torch.Tensor, destinations: Destinations, stream: torch.cuda.Stream | None) -> None:
+        """rows [hooks, n, width] (contiguous) into the arena at `destinations`, a (2D)
+        `cudaMemcpyAsync` per run (`Destinations.runs`) through the arena's pinning
+        (`HostPinning.copy`), on `stream`; the caller records the event the outbox waits for."""
         steps, row_bytes = rows.shape[1], rows.shape[2] * rows.element_size()
+        runs = destinations.runs(self.arena.registration, max_pitch_rows(steps, row_bytes))
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         handle = stream.cuda_stream if stream is not None else 0
@@ -267,11 +274,6 @@ class ArenaWriter:
                  width if flat else source_pitch, width, height, handle)
         if stream is not None:
             rows.record_stream(stream)  # its memory is not reused before the copies end
-
-    def max_pitch_rows(self, steps: int, row_bytes: int) -> int:
-        """Most arena rows between the hooks of one copy: 0 (none) when the step's own rows lie
-        further apart than CUDA takes."""
-        return MAX_PITCH_BYTES // row_bytes if steps * row_bytes <= MAX_PITCH_BYTES else 0
 
     def write(self, rows: torch.Tensor, index: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """rows [hooks, n, width] (contiguous) into arena rows index ([hooks * n], on the device),

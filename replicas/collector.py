@@ -24,7 +24,7 @@ import torch
 
 from replicas import _vllm
 from replicas.arena_graphs import ArenaGraphs
-from replicas.arena_writer import Destinations
+from replicas.arena_writer import ArenaWriter, Destinations
 from replicas.outbox import Outbox, StepRows, fail_all
 from replicas.plans import (
     EXPLICIT,
@@ -344,7 +344,7 @@ class Collector:
             return
         try:
             if writer.by_copy_engine(index):
-                self._copy_rows(index, step_rows, sites, width, out)
+                self._copy_rows(writer, index, step_rows, sites, width, out)
             else:
                 rows, device_rows = index.index(self._to_device(index.packed(step_rows)))
                 step = self.rows_per_chunk(row_bytes)
@@ -360,7 +360,8 @@ class Collector:
             for b in buffers:
                 b.written = event
 
-    def _copy_rows(self, index: Destinations, step_rows: np.ndarray, sites: list[Site], width: int, out: torch.dtype) -> None:
+    def _copy_rows(self, writer: ArenaWriter, index: Destinations, step_rows: np.ndarray, sites: list[Site], width: int,
+                   out: torch.dtype) -> None:
         """A large step's rows by the copy engines: each hook's rows gathered whole into one
         [hooks, rows, width] buffer (a kernel a hook), then a copy per request, all hooks at once
         where its blocks allow (`Destinations.runs`). Gathering in row chunks, as the kernel path
@@ -368,7 +369,6 @@ class Collector:
         copies a step: a bulk prefill step's collect left the GPU idle 28% of the time (H200).
         The buffer stays on the device until the copy engines have read it."""
         rows = self._to_device(step_rows)
-        writer = self.outbox.writer
         gathered = torch.zeros if any(site.staging.shape[1] < width for site in sites) else torch.empty
         buffer = gathered((len(sites), len(rows), width), dtype=out, device=rows.device)
         for site, target in zip(sites, buffer):
@@ -377,9 +377,7 @@ class Collector:
                 torch.index_select(staged, 0, rows, out=target)
             else:  # a narrower hook or another dtype: its columns, cast
                 target[:, : staged.shape[1]] = staged.index_select(0, rows)
-        row_bytes = width * buffer.element_size()
-        runs = index.runs(writer.arena.registration, writer.max_pitch_rows(len(rows), row_bytes))
-        writer.copy_runs(buffer, runs, self.copy_stream)
+        writer.copy_runs(buffer, index, self.copy_stream)
 
     def _hand_over_logits(self, selection: Selection) -> None:
         """[1, rows, vocab] float32 logits of the final-normed rows."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.arena_writer import Destinations
+from replicas.arena_writer import Destinations, max_pitch_rows
 from replicas.outbox import Outbox, RequestBuffers
 from tests.test_arena import D_MODEL, HOOKS, request_plan
 
@@ -49,10 +49,12 @@ def test_a_requests_run_on_every_hook_goes_by_one_copy_where_its_blocks_allow():
     assert list(zip(runs.hook, runs.height, runs.source, runs.target, runs.pitch, runs.rows)) == [
         (0, 3, 0, 402, 12, 8), (0, 1, 8, 28, 0, 1), (1, 1, 8, 36, 0, 1), (2, 1, 8, 120, 0, 1)]
     assert_runs_cover(destinations, runs)
-    for registration, max_pitch_rows in [(lambda blocks: blocks // 106, 1000), (lambda blocks: blocks * 0, 11)]:
-        apart = destinations.runs(registration, max_pitch_rows)
+    for registration, pitch_limit in [(lambda blocks: blocks // 106, 1000), (lambda blocks: blocks * 0, 11)]:
+        apart = destinations.runs(registration, pitch_limit)
         assert apart.height.tolist() == [1] * 6
         assert_runs_cover(destinations, apart)
+    assert max_pitch_rows(steps=1000, row_bytes=8192) == ((1 << 31) - 1) // 8192
+    assert max_pitch_rows(steps=300_000, row_bytes=8192) == 0  # a hook's own rows span more than a pitch
 
 
 def assert_runs_cover(destinations: Destinations, runs) -> None:
@@ -88,9 +90,9 @@ def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader
     rows = torch.randn(len(HOOKS), int(counts.sum()), D_MODEL, device=device)
     stream = torch.cuda.Stream(device)
     landed = outbox.arena.bytes[: (int(arena_rows.max()) + 1) * D_MODEL * 4].view(np.float32).reshape(-1, D_MODEL)
-    runs = destinations.runs(outbox.arena.registration, writer.max_pitch_rows(rows.shape[1], D_MODEL * 4))
+    runs = destinations.runs(outbox.arena.registration, max_pitch_rows(rows.shape[1], D_MODEL * 4))
     assert (runs.height > 1).any() == (pin_piece_bytes > 4 << 10)  # in small pieces a copy of several hooks never fits
-    writer.copy_runs(rows, runs, stream)
+    writer.copy_runs(rows, destinations, stream)
     stream.synchronize()
     np.testing.assert_array_equal(landed[arena_rows], rows.cpu().numpy())
     landed[:] = 0
