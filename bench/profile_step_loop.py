@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.bench_side_by_side import capserve_submit, deployments, start_capserve
 from bench.common import CONFIGS, VOCAB, Workload, dummy_model_folder, engine_settings, model_shape
+from replicas.arena import capture_arena_bytes
 
 Z_CASES = {"z-armed": "hook_z armed, unused", "z-capture": "capture hook_z 1 layer, all positions (bf16)",
            "z-ablate": "ablate 1 head of hook_z, 1 layer"}
@@ -32,12 +33,17 @@ Z_CASES = {"z-armed": "hook_z armed, unused", "z-capture": "capture hook_z 1 lay
 
 def case_setup(case: str, config: str) -> tuple[dict[str, Any], dict[str, Any], Workload]:
     """(engine fields, request fields, workload) of a case."""
-    n_layers = model_shape(config)["n_layers"]
+    shape = model_shape(config)
+    n_layers = shape["n_layers"]
     small = config == "tiny"
     if case == "bulk":
         hooks = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
         workload = Workload("bulk", 8 if small else 64, 64 if small else 512, 16)
-        return ({"armed_kinds": ["resid_post"], "steer_kinds": []},
+        # as bench_bandwidth: the batch's rows find the start-up reserve (one registration), not
+        # growth in 8 MiB pieces, where no copy spans a request's hooks
+        per_request = capture_arena_bytes(n_layers, workload.prompt_len + workload.max_tokens, shape["d_model"] * 2,
+                                          shape["d_model"])
+        return ({"armed_kinds": ["resid_post"], "steer_kinds": [], "arena_reserve_bytes": workload.prompts * per_request},
                 {"capture": {"hooks": hooks, "positions": "all", "dtype": "bfloat16"}}, workload)
     fields, cases = deployments(n_layers, None)["z"]
     return fields, cases[Z_CASES[case]], Workload("z", 16 if small else 32, 64 if small else 512, 32 if small else 256)

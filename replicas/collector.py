@@ -16,7 +16,7 @@ uses them: `group` hands one out, `release_group` gives it back, and an unused g
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,10 @@ class Selection:
         return Selection(requests, rows, np.cumsum(counts) - counts, counts, self.dests[keep])
 
 
+# modes that select no generated position: a decode step selects none of their rows
+PROMPT_ONLY = (MODE_CODES["prompt"], MODE_CODES["last_prompt"])
+
+
 @dataclass
 class SteadyDecode:
     """A decode step's capture, as the full selection found it: every capturing request in one
@@ -70,13 +74,13 @@ class SteadyDecode:
     requests that numpy, not the GPU, set the step loop's pace."""
 
     key: bytes
-    places: np.ndarray  # the capturing requests' places in the step (= their rows: one each)
+    places: np.ndarray  # the capturing requests' places in the step (= their rows: one each); none in a quiet step
     rows: np.ndarray  # their rows in the request columns
-    buffers: list
-    sites: list[Site]
-    width: int
-    out: torch.dtype
-    row_bytes: int
+    buffers: list = field(default_factory=list)
+    sites: list[Site] = field(default_factory=list)
+    width: int = 0
+    out: torch.dtype = torch.float32
+    row_bytes: int = 0
 
 
 class Collector:
@@ -158,50 +162,59 @@ class Collector:
     def collect(self, batch: Batch, requests: RequestTable) -> None:
         """Hand over the rows and logits every request of the step asked for."""
         columns = requests.columns
-        key = self._decode_key(batch, columns)
         steady, self.steady = self.steady, None
-        if steady is not None and steady.key == key and self._collect_steady(batch, columns, steady):
+        if steady is not None and batch.repeats and batch.step.num_tokens == len(batch.rows):
+            decode = (steady.key, steady.places)  # the steady step's requests, each on its next token
+        else:
+            decode = self._decode_key(batch, columns)
+        if steady is not None and decode is not None and steady.key == decode[0] and self._collect_steady(batch, columns, steady):
             self.steady = steady
             self.steady_steps += 1
             return
         self._collect(batch, requests)
-        if key is not None:
-            self.steady = self._steady_after(key, batch, requests)
+        if decode is not None:
+            self.steady = self._steady_after(*decode, batch, requests)
 
-    def _decode_key(self, batch: Batch, columns: Columns) -> bytes | None:
-        """What a `SteadyDecode` step is known by, or None for any other step: a prefill chunk,
-        logits or SAE features, positions other than "all" and "generated", two capture groups,
-        rows recorded before (a request recomputed after preemption)."""
+    def _decode_key(self, batch: Batch, columns: Columns) -> tuple[bytes, np.ndarray] | None:
+        """What a `SteadyDecode` step is known by, and the places of the requests whose row it
+        captures; None for any other step: a prefill chunk, SAE features, logits of generated
+        positions, positions other than "all" and "generated" (a decode row is a generated one:
+        "prompt" and "last_prompt" select none, explicit indices may), two capture groups, rows
+        recorded before (a request recomputed after preemption)."""
         rows = batch.rows
-        if self.outbox.writer is None or batch.step.num_tokens != len(rows):
+        if batch.step.num_tokens != len(rows) or (columns["sae"][rows] > 0).any():
             return None
-        group = columns["group"][rows]
-        places = np.flatnonzero(group >= 0)
-        if not len(places) or (columns["logits"][rows] != NO_LOGITS).any() or (columns["sae"][rows] > 0).any():
+        group, modes, logits = columns["group"][rows], columns["positions"][rows], columns["logits"][rows]
+        if np.isin(logits, (NO_LOGITS, *PROMPT_ONLY), invert=True).any():
             return None
-        capturing = rows[places]
-        modes = columns["positions"][capturing]
-        if ((modes != MODE_CODES["all"]) & (modes != MODE_CODES["generated"])).any() or (group[places] != group[places[0]]).any():
+        reads = (group >= 0) & np.isin(modes, PROMPT_ONLY, invert=True)
+        places = np.flatnonzero(reads)
+        if len(places) and self.outbox.writer is None:
             return None
-        if not batch.is_decode(columns["prompt_len"][capturing], places):
+        if ((modes[places] != MODE_CODES["all"]) & (modes[places] != MODE_CODES["generated"])).any() or (group[places] != group[places[:1]]).any():
             return None
-        if (columns["seen"][capturing] != batch.step.start_positions[places]).any():
+        asking = np.flatnonzero((group >= 0) | (logits != NO_LOGITS))
+        if not batch.is_decode(columns["prompt_len"][rows[asking]], asking):
             return None
-        return np.concatenate([rows, group]).tobytes()
+        if (columns["seen"][rows[places]] != batch.step.start_positions[places]).any():
+            return None
+        return np.concatenate([rows, group, modes, logits]).tobytes(), places
 
-    def _steady_after(self, key: bytes, batch: Batch, requests: RequestTable) -> SteadyDecode | None:
+    def _steady_after(self, key: bytes, places: np.ndarray, batch: Batch, requests: RequestTable) -> SteadyDecode | None:
         """The step just collected as a `SteadyDecode`, if its requests file into the arena."""
-        group = requests.columns["group"][batch.rows]
-        places = np.flatnonzero(group >= 0)
         rows = batch.rows[places]
+        if not len(places):  # a quiet step: nothing to hand over while the same requests decode
+            return SteadyDecode(key, places, rows)
         buffers = [requests.entry_at[int(r)].buffers for r in rows.tolist()]
-        sites, dtype, reduce = self.group_sites[int(group[places[0]])]
+        sites, dtype, reduce = self.group_sites[int(requests.columns["group"][rows[0]])]
         if reduce != "none" or any(b.rows_per_block == 0 or b.error is not None for b in buffers):
             return None
         return SteadyDecode(key, places, rows, buffers, sites, *_row_shape(sites, dtype))
 
     def _collect_steady(self, batch: Batch, columns: Columns, steady: SteadyDecode) -> bool:
         """`_collect` for a step like the one before it; False (nothing done) when a request failed meanwhile."""
+        if not len(steady.places):
+            return True
         if any(b.error is not None for b in steady.buffers):
             return False
         columns["seen"][steady.rows] = batch.step.start_positions[steady.places] + 1

@@ -9,7 +9,7 @@ request whose result was taken or cancelled already runs unplanned.
 from __future__ import annotations
 
 import itertools
-from collections.abc import KeysView
+from collections.abc import Callable, KeysView
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,6 +90,9 @@ class Batch:
 
     step: _vllm.StepLayout
     rows: np.ndarray
+    # the same requests in the same order as the step before, none admitted, failed or retired
+    # since: in decode, what each asks of this step is what it asked of that one
+    repeats: bool = False
 
     @property
     def first_rows(self) -> np.ndarray:
@@ -121,6 +124,8 @@ class RequestTable:
         self.by_key: dict[str, list[str]] = {}
         self.closed_keys: dict[str, None] = {}  # insertion-ordered set of taken keys
         self.names = itertools.count()
+        self.version = 0  # changes with any request's handle or columns (`Batch.repeats`)
+        self._batch_version = -1  # the version the last `batch` looked its rows up at
 
     def running(self) -> KeysView[str]:
         return self.handle_of.keys()
@@ -129,17 +134,31 @@ class RequestTable:
         """The handle of each request of a step; NEW for those not seen before."""
         return np.fromiter((self.handle_of.get(r, NEW) for r in req_ids), np.int64, len(req_ids))
 
+    def batch(self, step: _vllm.StepLayout, last: Batch | None, admit: Callable[[str], int]) -> Batch:
+        """The step's requests as rows of the columns; `admit` gives a new one its handle. A step
+        of the requests the one before (`last`) ran, in its order, with the table unchanged
+        since, takes its rows as they were (`Batch.repeats`): a decode step looks up no request."""
+        if last is not None and step.req_ids == last.step.req_ids and self.version == self._batch_version:
+            return Batch(step, last.rows, repeats=True)
+        handles = self.handles(step.req_ids)
+        for k in np.flatnonzero(handles == NEW).tolist():
+            handles[k] = admit(step.req_ids[k])
+        self._batch_version = self.version
+        return Batch(step, self.columns.rows(handles))
+
     def plan(self, req_id: str, wire: WirePlan | None) -> RequestPlan | None:
         """The plan a new request carries; None (and the request runs unplanned) when it asks for
         nothing or its key was closed already: taken or cancelled."""
         if not wire or wire["key"] in self.closed_keys:
             self.handle_of[req_id] = UNPLANNED
+            self.version += 1
             return None
         return RequestPlan.from_wire(wire)
 
     def admit(self, req_id: str, plan: RequestPlan, buffers: RequestBuffers | None, group: int) -> Entry:
         """Give the request a handle and fill its columns; `group` is its capture group."""
         handle = self.columns.allocate()
+        self.version += 1
         entry = Entry(plan, f"{plan.key}-{next(self.names)}", handle, buffers, group=group)
         self.requests[req_id] = entry
         self.by_key.setdefault(plan.key, []).append(req_id)
@@ -159,6 +178,7 @@ class RequestTable:
         """The request runs on, unsteered and capturing nothing: no row may point at the slots or
         the capture group it gave back, and its result is the error."""
         entry.error, entry.replica_fault, entry.group = error, replica_fault, -1
+        self.version += 1
         self.columns.reset(entry.handle)
         self.columns["prompt_len"][entry.handle] = entry.plan.prompt_len
         entry.buffers = None
@@ -168,6 +188,7 @@ class RequestTable:
         entry = self.requests.get(req_id)
         if entry is None:
             del self.handle_of[req_id]
+            self.version += 1
         return entry
 
     def retire(self, req_id: str, entry: Entry) -> bool:
@@ -178,6 +199,7 @@ class RequestTable:
         if entry.buffers is not None:
             entry.buffers.n_rows, entry.buffers.n_logits = self.taken(entry)
         entry.finishing = True
+        self.version += 1
         self.handle_of.pop(req_id, None)
         self.entry_at.pop(entry.handle, None)
         self.columns.release(entry.handle)

@@ -28,8 +28,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from typing import Any
 
-import numpy as np
-
 from replicas import _vllm
 from replicas.blocks import SiteOptions, install_sites
 from replicas.collector import MAX_STEP_BYTES, Collector
@@ -38,7 +36,7 @@ from replicas.lifeline import Owner, watch_owner
 from replicas.outbox import TIMEOUT_S as OUTBOX_TIMEOUT_S
 from replicas.outbox import DEAD, Outbox, RequestBuffers
 from replicas.plans import PLAN_KEY
-from replicas.request_table import NEW, UNPLANNED, Batch, Entry, RequestTable
+from replicas.request_table import UNPLANNED, Batch, Entry, RequestTable
 from replicas.sae import load_saes
 from replicas.step_profile import StepProfiler
 
@@ -101,10 +99,7 @@ class _CaptureState:
         step = _vllm.step_layout(self.runner)
         self.steps += 1
         self._release_finished()
-        handles = self.table.handles(step.req_ids)
-        for k in np.flatnonzero(handles == NEW).tolist():
-            handles[k] = self._admit(step.req_ids[k])
-        batch = self._batch = Batch(step, self.table.columns.rows(handles))
+        batch = self._batch = self.table.batch(step, self._batch, self._admit)
         edited = self.edits.prepare(batch, self.table)
         if self.eager:  # compiled graphs never read these flags; eager mode skips idle sites
             captured = self.collector.captured_sites(batch, self.table.columns)

