@@ -8,7 +8,8 @@ same GPU, a third of its memory each, and take turns: every round runs each case
 plain first. A process-per-engine run drifts by a few percent; alternating in one process cancels
 that. Reported per case: tokens per second (prompt + generated) of the first round and the median
 of the later ones, each as a ratio to plain's batch of the same round(s); the worker's step
-loop time outside the forward (prepare, collect) per step, in microseconds; and per round the
+loop time outside the forward (prepare, collect) per step and the engine's period from one decode
+step to the next (`decode_period`), in microseconds; and per round the
 batch's phases in milliseconds (`ms_per_phase`): until every request had its first output
 (admission, prefill), from then to vLLM's last final output (decode), and after it (the take RPC,
 reading results: a batch of requests finishing together pays it once). A case's cost shows in the
@@ -207,15 +208,21 @@ class WorkerTime:
 
     def __init__(self) -> None:
         self.steps = 0
+        self.decode_periods = 0
         self.seconds: dict[str, float] = {}
 
     def add(self, before: dict[str, Any], after: dict[str, Any]) -> None:
         self.steps += after["steps"] - before["steps"]
-        for phase in ("prepare", "collect"):
+        self.decode_periods += after["decode_periods"] - before["decode_periods"]
+        for phase in ("prepare", "collect", "decode_period"):
             self.seconds[phase] = self.seconds.get(phase, 0.0) + after["seconds"][phase] - before["seconds"][phase]
 
     def per_step(self) -> dict[str, float]:
-        return {phase: seconds / max(self.steps, 1) * 1e6 for phase, seconds in self.seconds.items()}
+        """Microseconds a step: prepare and collect over every step; `decode_period` (from one
+        decode step's start to the next's) over the decode steps that followed one."""
+        seconds = dict(self.seconds)
+        period = seconds.pop("decode_period", 0.0) / max(self.decode_periods, 1)
+        return {phase: value / max(self.steps, 1) * 1e6 for phase, value in seconds.items()} | {"decode_period": period * 1e6}
 
 
 def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:

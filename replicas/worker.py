@@ -70,7 +70,9 @@ class _CaptureState:
         self.delivered: dict[int, dict[str, list[dict[str, Any]]]] = {}
         self._batch: Batch | None = None
         self.steps = 0
-        self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0}
+        self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0, "decode_period": 0.0}
+        self.decode_periods = 0  # decode steps timed from the decode step before them
+        self._decode_began: float | None = None
         self.profiler = StepProfiler.maybe(options, on_gpu=self.device.type == "cuda")
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
 
@@ -84,20 +86,22 @@ class _CaptureState:
             self.seconds[phase] += time.perf_counter() - began
 
     def before_step(self) -> None:
+        began = time.perf_counter()
         if self.profiler is not None:
             self.profiler.at_step(self.steps)
         with self._timed("prepare"):
-            self._prepare()
+            self._prepare(began)
 
     def after_step(self) -> None:
         with self._timed("collect"):
             if self._batch is not None and self.table.requests:
                 self.collector.collect(self._batch, self.table)
 
-    def _prepare(self) -> None:
+    def _prepare(self, began: float) -> None:
         """Admit the step's new requests and point the rows each request edits at its slots."""
         step = _vllm.step_layout(self.runner)
         self.steps += 1
+        self._time_decode(step, began)
         self._release_finished()
         batch = self._batch = self.table.batch(step, self._batch, self._admit)
         edited = self.edits.prepare(batch, self.table)
@@ -106,6 +110,15 @@ class _CaptureState:
             for site in self.sites.values():
                 site.run_capture = site in captured
                 site.run_edits = site in edited
+
+    def _time_decode(self, step: _vllm.StepLayout, began: float) -> None:
+        """The engine's period from one decode step to the next: whether a cost lies in the engine
+        process (the period grows) or only in the caller's handling of the outputs (it does not)."""
+        decode = step.num_tokens == len(step.req_ids)
+        if decode and self._decode_began is not None:
+            self.seconds["decode_period"] += began - self._decode_began
+            self.decode_periods += 1
+        self._decode_began = began if decode else None
 
     # ------------------------------------------------------------ request lifecycle
 
@@ -196,6 +209,7 @@ class _CaptureState:
             "steps": self.steps,
             "rows_captured": self.collector.rows_captured,
             "steady_decode_steps": self.collector.steady_steps,
+            "decode_periods": self.decode_periods,
             "requests_held": len(self.table.requests),
             "capture_groups": self.collector.live_groups,
             "bytes_held": self.table.bytes_held(),

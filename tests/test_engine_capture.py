@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -269,13 +270,20 @@ def test_repeated_decode_steps_skip_the_selection_and_capture_the_same_rows(loop
     capture = {"hooks": ["0:resid_post", "2:attn_out"], "positions": "all"}
     requests = [{"prompt": prompt_ids(36, seed), "max_tokens": 16, "temperature": 0, "ignore_eos": True, "capture": capture}
                 for seed in (31, 32)]
-    before = loop.run(engine.stats())["steady_decode_steps"]
+    before = loop.run(engine.stats())
 
     async def both():
         return await asyncio.gather(*(engine.generate(r) for r in requests))
 
+    started = time.perf_counter()
     results = loop.run(both())
-    assert loop.run(engine.stats())["steady_decode_steps"] - before >= 10
+    elapsed = time.perf_counter() - started
+    after = loop.run(engine.stats())
+    assert after["steady_decode_steps"] - before["steady_decode_steps"] >= 10
+    # the engine's decode period: 14-15 periods a request pair, each inside the batch's time
+    periods = after["decode_periods"] - before["decode_periods"]
+    period_s = after["seconds"]["decode_period"] - before["seconds"]["decode_period"]
+    assert 14 <= periods <= 15 and 0 < period_s < elapsed
     for result in results:
         assert len(result.positions) == 36 + 15
         prefilled = loop.run(engine.generate({"prompt": result.capture_token_ids, "max_tokens": 1, "temperature": 0,
