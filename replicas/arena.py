@@ -300,13 +300,14 @@ class HostArena:
 
     def _fault_in(self, chunk: int, chunks: int, one_piece: bool = False, pause: bool = False) -> None:
         """Fault the chunks' pages in now rather than on the first write of each: on a GPU by
-        registering them (in one piece, or one chunk piece by piece), else by zeroing them."""
+        registering them (all in one piece, or each chunk piece by piece), else by zeroing them."""
         if self.pin is None:
             self.bytes[chunk * self.chunk_bytes : (chunk + chunks) * self.chunk_bytes] = 0
         elif one_piece:
             self.pin.register(self._address(chunk), chunks * self.chunk_bytes)
         else:
-            self._register(self._address(chunk), pause)
+            for each in range(chunk, chunk + chunks):
+                self._register(self._address(each), pause)
 
     def _register(self, address: int, pause: bool) -> None:
         """Register a chunk piece by piece; a failure unregisters the pieces done."""

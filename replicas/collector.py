@@ -167,7 +167,8 @@ class Collector:
             decode = (steady.key, steady.places)  # the steady step's requests, each on its next token
         else:
             decode = self._decode_key(batch, columns)
-        if steady is not None and decode is not None and steady.key == decode[0] and self._collect_steady(batch, columns, steady):
+        like_before = steady is not None and decode is not None and steady.key == decode[0]
+        if like_before and self._collect_steady(batch, columns, steady):
             self.steady = steady
             self.steady_steps += 1
             return
@@ -191,7 +192,10 @@ class Collector:
         places = np.flatnonzero(reads)
         if len(places) and self.outbox.writer is None:
             return None
-        if ((modes[places] != MODE_CODES["all"]) & (modes[places] != MODE_CODES["generated"])).any() or (group[places] != group[places[:1]]).any():
+        selecting = modes[places]
+        if ((selecting != MODE_CODES["all"]) & (selecting != MODE_CODES["generated"])).any():
+            return None
+        if (group[places] != group[places[:1]]).any():
             return None
         asking = np.flatnonzero((group >= 0) | (logits != NO_LOGITS))
         if not batch.is_decode(columns["prompt_len"][rows[asking]], asking):
