@@ -122,21 +122,28 @@ def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
 # ---------------------------------------------------------------- the sink folder
 
 
-def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int) -> dict[str, Any]:
+def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int,
+                     source: np.ndarray | None = None) -> dict[str, Any]:
     """GB/s of shard-sized safetensors files written into `folder` by `threads` threads, through
-    the shard writer's own atomic write (temp name, fsync, rename); deleted afterwards."""
+    the shard writer's own atomic write (temp name, fsync, rename); deleted afterwards. The files
+    hold one random buffer, or consecutive slices of `source` (uint8) when given."""
     from replicas.shard_files import write_safetensors
     from replicas.shard_store import open_store
 
-    file_bytes = max(1 << 20, min(file_bytes, total_bytes // threads))
+    file_bytes = max(1 << 20, min(file_bytes, total_bytes // threads)) // 4 * 4
     files = max(threads, total_bytes // file_bytes)
-    chunk = np.random.default_rng(0).integers(0, 255, file_bytes, dtype=np.uint8)
+    chunk = np.random.default_rng(0).integers(0, 255, file_bytes, dtype=np.uint8) if source is None else None
     probe = folder / "write-probe"
     store = open_store(probe)
     store.mkdir()
 
     def one(i: int) -> int:
-        tensors = [("x", "int32", [file_bytes // 4], [chunk[: file_bytes // 4 * 4].view(np.int32)])]
+        if source is None:
+            data = chunk
+        else:
+            start = i * file_bytes % (len(source) - file_bytes + 1)
+            data = source[start : start + file_bytes]
+        tensors = [("x", "int32", [file_bytes // 4], [data.view(np.int32)])]
         return store.write_atomic(f"probe-{i:04d}.safetensors", lambda f: write_safetensors(f, tensors, {}))
 
     started = time.perf_counter()

@@ -1,0 +1,77 @@
+"""What a shard writer's source costs it: the same shard files written from a buffer the process
+has touched, from a fresh mapping of a shared-memory file (as a replica maps the worker's arena:
+the first read of each page faults it into the mapping) and from that mapping again.
+
+    python -m bench.bench_sink_source --folder /dev/shm --gb 8 --threads 4 --out DIR   # GPU host
+    python -m bench.bench_sink_source --gb 1 --threads 2                              # CPU smoke run
+
+`capserve capture`'s replica-side writers read the arena (bench_dataset case c); its probe of the
+sink folder writes from a touched buffer. Each round runs the three sources in turn (a new mapping
+each round); reported per round and as medians, with each source's ratio to the touched buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.bench_dataset import sink_write_speed
+from bench.common import write_result
+
+SOURCES = ("touched buffer", "fresh mapping (first touch)", "the same mapping again")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    size = int(args.gb * 1e9) // 4 * 4
+    folder = Path(args.folder)
+    fd, arena = tempfile.mkstemp(prefix="capserve-sink-source-", dir=args.arena_dir)
+    rounds: dict[str, list[float]] = {source: [] for source in SOURCES}
+    try:
+        os.ftruncate(fd, size)
+        written = np.frombuffer(mmap.mmap(fd, size), np.uint8)
+        written[:] = 7  # the worker's writes, through its own mapping
+        touched = np.full(size, 7, np.uint8)
+        for r in range(args.rounds):
+            mapping = mmap.mmap(fd, 0)  # as ArenaReader maps the arena file
+            fresh = np.frombuffer(mapping, np.uint8)
+            for source, array in zip(SOURCES, (touched, fresh, fresh)):
+                speed = sink_write_speed(folder, args.threads, size, args.file_mb << 20, array)["gb_per_s"]
+                rounds[source].append(speed)
+                print(f"round {r}: {source:30s} {speed:6.2f} GB/s", flush=True)
+            del fresh, array  # the mapping's last views: it closes now
+            mapping.close()
+    finally:
+        os.close(fd)
+        os.unlink(arena)
+    medians = {source: statistics.median(values) for source, values in rounds.items()}
+    base = medians[SOURCES[0]]
+    return {"folder": str(folder), "gb": size / 1e9, "threads": args.threads, "file_mb": args.file_mb,
+            "gb_per_s": rounds, "median_gb_per_s": medians, "vs_touched": {s: m / base for s, m in medians.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--folder", default="/dev/shm", help="the sink folder the shards go to")
+    parser.add_argument("--arena-dir", default="/dev/shm", help="where the stand-in arena file lives")
+    parser.add_argument("--gb", type=float, default=8.0, help="bytes written per source and round")
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--file-mb", type=int, default=1800, help="shard size (bench_dataset case c: ~1,880 MB)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--label", default="cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    result = run(args)
+    for source, median in result["median_gb_per_s"].items():
+        print(f"{source:30s} {median:6.2f} GB/s  ({result['vs_touched'][source]:.2f}x the touched buffer)")
+    print(f"wrote {write_result(f'sink_source_{args.label}', result, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
