@@ -122,11 +122,13 @@ def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
 # ---------------------------------------------------------------- the sink folder
 
 
-def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int,
-                     source: np.ndarray | None = None) -> dict[str, Any]:
+def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int, source: np.ndarray | None = None,
+                     piece_bytes: int | None = None, one_write_each: bool = False) -> dict[str, Any]:
     """GB/s of shard-sized safetensors files written into `folder` by `threads` threads, through
     the shard writer's own atomic write (temp name, fsync, rename); deleted afterwards. The files
-    hold one random buffer, or consecutive slices of `source` (uint8) when given."""
+    hold one random buffer, or consecutive slices of `source` (uint8) when given; each in one
+    piece, or in pieces of `piece_bytes` as a shard holds its lines' rows per hook, written by one
+    write call each with `one_write_each` (the shard writer before it wrote vectored)."""
     from replicas.shard_files import write_safetensors
     from replicas.shard_store import open_store
 
@@ -143,8 +145,11 @@ def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: i
         else:
             start = i * file_bytes % (len(source) - file_bytes + 1)
             data = source[start : start + file_bytes]
-        tensors = [("x", "int32", [file_bytes // 4], [data.view(np.int32)])]
-        return store.write_atomic(f"probe-{i:04d}.safetensors", lambda f: write_safetensors(f, tensors, {}))
+        step = piece_bytes or file_bytes
+        pieces = [data[at : at + step].view(np.int32) for at in range(0, file_bytes, step)]
+        tensors = [("x", "int32", [file_bytes // 4], pieces)]
+        return store.write_atomic(f"probe-{i:04d}.safetensors",
+                                  lambda f: write_safetensors(_OneWriteEach(f) if one_write_each else f, tensors, {}))
 
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
@@ -153,6 +158,13 @@ def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: i
     shutil.rmtree(probe)
     return {"folder": str(folder), "threads": threads, "files": files, "file_mb": file_bytes / 1e6,
             "gb": written / 1e9, "seconds": seconds, "gb_per_s": written / seconds / 1e9}
+
+
+class _OneWriteEach:
+    """A file seen only through `write`: the shard writer then writes piece by piece."""
+
+    def __init__(self, f: Any) -> None:
+        self.write = f.write
 
 
 def write_prompts(path: Path, prompts: list[list[int]]) -> None:
@@ -267,7 +279,8 @@ def replica_stats(replicas: int, tries: int = 50) -> dict[str, dict[str, Any]]:
 
 def stats_spent(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per replica, what its worker and sink spent between two `replica_stats`: steps, the step
-    loop's seconds outside the forward, the outbox thread's, and the sink's shards and seconds."""
+    loop's seconds outside the forward, the outbox thread's, the results' reads of the arena, and
+    the sink's shards and seconds."""
     spent = {}
     for name, now in after.items():
         then = before.get(name)
@@ -279,6 +292,7 @@ def stats_spent(before: dict[str, dict[str, Any]], after: dict[str, dict[str, An
             "rows_captured": engine["rows_captured"] - engine_then["rows_captured"],
             "worker_s": {k: round(v - engine_then["seconds"].get(k, 0.0), 3) for k, v in engine["seconds"].items()},
             "arena_gb": engine.get("arena_bytes", 0) / 1e9,
+            "reads": {k: round(v - then["reads"][k], 3) for k, v in now["reads"].items()},
             "sink": {k: round(v - then["sink"][k], 3) for k, v in now["sink"].items()},
         }
     return spent
@@ -290,9 +304,11 @@ def _hooks_text(hooks: list[str]) -> str:
 
 def app_args(model: str, args: argparse.Namespace, replicas: int, shape: dict[str, int]) -> dict[str, Any]:
     cap = shape["n_layers"] * (args.prompt_len + 1) * shape["d_model"] * 4  # every row, the largest dtype
+    reserve = None if args.arena_reserve_gb is None else int(args.arena_reserve_gb * 1e9)  # None: the engine's default
     return {"model": model, "device": args.device, "num_replicas": replicas, "max_capture_bytes": cap,
-            "replica_max_ongoing_requests": 1024, "engine": dummy_engine_options(args.config, ["resid_post"]),
+            "replica_max_ongoing_requests": 1024,
             "drain_timeout_s": 10.0, "health_check_timeout_s": 120.0,
+            "engine": {**dummy_engine_options(args.config, ["resid_post"]), "arena_reserve_bytes": reserve},
             "sink": {"threads": args.sink_threads, "max_unwritten": args.sink_threads + 1}}
 
 
@@ -349,7 +365,8 @@ def _print_case(name: str, result: dict[str, Any]) -> None:
           f"in {captured['seconds']:.1f} s = {captured['gb_per_s']:.2f} GB/s", flush=True)
     for label, spent in (("plain", plain["replicas"]), ("capture", captured["replicas"])):
         for replica, used in spent.items():
-            print(f"    {label} {replica}: {used['steps']} steps, worker {used['worker_s']}, sink {used['sink']}", flush=True)
+            print(f"    {label} {replica}: {used['steps']} steps, worker {used['worker_s']}, arena reads {used['reads']}, "
+                  f"sink {used['sink']}", flush=True)
 
 
 def run_one(args: argparse.Namespace, replicas: int) -> None:
@@ -423,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sink-threads", type=int, default=2,
                         help="each replica's shard writers (args sink.threads; the write probe uses as many per replica)")
     parser.add_argument("--sink-fill", type=float, default=0.5, help="fraction of the sink's free space a case may fill")
+    parser.add_argument("--arena-reserve-gb", type=float, default=None,
+                        help="each replica's arena reserved at start-up (engine arena_reserve_bytes; default the engine's)")
     parser.add_argument("--concurrency", type=int, default=64, help="capserve capture --concurrency")
     parser.add_argument("--shard-lines", type=int, default=0, help="lines per shard (default 0: about --shard-gb, at most 1024)")
     parser.add_argument("--shard-gb", type=float, default=2.0, help="target shard size when --shard-lines is 0")

@@ -20,7 +20,8 @@ Deployments and cases:
            armed, unused | hook_z at 1 layer, every position, bf16 | ablate 1 head at that layer;
            two cases split a capture's or edit's cost into per-request and per-step parts: hook_z
            at 1 layer for last_prompt (a plan, one row) | scale 1 head by 1.0 (an edit that
-           changes nothing but runs every step)
+           changes nothing but runs every step); then armed, unused again, after the planned
+           batches (whether a cost comes with a batch's plans or stays with the engine after them)
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -35,6 +36,8 @@ import os
 import statistics
 import time
 from typing import Any, Awaitable, Callable
+
+import numpy as np
 
 from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, Workload, dummy_model_folder, engine_settings, model_shape, write_result
 
@@ -61,6 +64,8 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
         "scale 1 head of hook_z by 1.0, 1 layer": {
             "interventions": [{"hook": f"blocks.{middle}.attn.hook_z", "op": "scale", "factor": 1.0, "heads": [0]}]
         },
+        # the first case again, now after batches that carried plans: apart from the order, the same
+        "hook_z armed, unused, after the planned cases": {},
     }
     pattern_cases = {
         "hook_pattern (+ resid_post) armed, unused": {},
@@ -186,7 +191,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     for phase, values in phases[case].items():
                         values.append(round(timed[phase] * 1e3, 2))
                     if engine:
-                        worker[case].add(before, await engine.stats())
+                        worker[case].add(before, await engine.stats(), await engine.decode_periods())
                     print(f"{name} round {r} {case}: {timed['tok_per_s']:.0f} tok/s; ms prefill {timed['prefill'] * 1e3:.1f}, "
                           f"decode {timed['decode'] * 1e3:.1f}, after vLLM {timed['tail'] * 1e3:.1f}", flush=True)
             results[name] = summarize(rounds)
@@ -210,19 +215,29 @@ class WorkerTime:
         self.steps = 0
         self.decode_periods = 0
         self.seconds: dict[str, float] = {}
+        self.periods_us: list[float] = []
 
-    def add(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+    def add(self, before: dict[str, Any], after: dict[str, Any], recent_us: list[float]) -> None:
         self.steps += after["steps"] - before["steps"]
-        self.decode_periods += after["decode_periods"] - before["decode_periods"]
+        new = after["decode_periods"] - before["decode_periods"]
+        self.decode_periods += new
         for phase in ("prepare", "collect", "decode_period"):
             self.seconds[phase] = self.seconds.get(phase, 0.0) + after["seconds"][phase] - before["seconds"][phase]
+        self.periods_us += recent_us[len(recent_us) - min(new, len(recent_us)):]  # this batch's
 
     def per_step(self) -> dict[str, float]:
         """Microseconds a step: prepare and collect over every step; `decode_period` (from one
-        decode step's start to the next's) over the decode steps that followed one."""
+        decode step's start to the next's) over the decode steps that followed one, its mean and
+        quantiles (a shift of every step, or a few long ones)."""
         seconds = dict(self.seconds)
         period = seconds.pop("decode_period", 0.0) / max(self.decode_periods, 1)
-        return {phase: value / max(self.steps, 1) * 1e6 for phase, value in seconds.items()} | {"decode_period": period * 1e6}
+        quantiles = {}
+        if self.periods_us:
+            p50, p90, p99 = np.percentile(self.periods_us, [50, 90, 99])
+            quantiles = {"decode_period_p50": p50, "decode_period_p90": p90, "decode_period_p99": p99,
+                         "decode_period_max": max(self.periods_us)}
+        return ({phase: value / max(self.steps, 1) * 1e6 for phase, value in seconds.items()}
+                | {"decode_period": period * 1e6} | quantiles)
 
 
 def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:

@@ -1,13 +1,16 @@
 """What a shard writer's source costs it: the same shard files written from a buffer the process
 has touched, from a fresh mapping of a shared-memory file (as a replica maps the worker's arena:
-the first read of each page faults it into the mapping) and from that mapping again.
+the first read of each page faults it into the mapping) and from that mapping again; then from
+the touched buffer in 4 MiB pieces (a line's rows of one hook) while another thread of the
+process runs Python (as a replica's event loop does), written vectored (the shard writer) and
+with one write call per piece (the writer before: each call's return waits for the GIL).
 
     python -m bench.bench_sink_source --folder /dev/shm --gb 8 --threads 4 --out DIR   # GPU host
     python -m bench.bench_sink_source --gb 1 --threads 2                              # CPU smoke run
 
 `capserve capture`'s replica-side writers read the arena (bench_dataset case c); its probe of the
-sink folder writes from a touched buffer. Each round runs the three sources in turn (a new mapping
-each round); reported per round and as medians, with each source's ratio to the touched buffer.
+sink folder writes from a touched buffer. Each round runs the sources in turn (a new mapping each
+round); reported per round and as medians, with each source's ratio to the touched buffer.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import mmap
 import os
 import statistics
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +32,37 @@ from bench.bench_dataset import sink_write_speed
 from bench.common import write_result
 
 SOURCES = ("touched buffer", "fresh mapping (first touch)", "the same mapping again")
+BUSY = ("4 MiB pieces, process busy, vectored", "4 MiB pieces, process busy, one write each")
+PIECE_BYTES = 4 << 20  # bench_dataset case c: 512 rows x 4,096 bf16 per line and hook
+
+
+@contextmanager
+def busy_python() -> Iterator[None]:
+    """Another thread running Python the whole time, wanting the GIL back whenever it lets go."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     size = int(args.gb * 1e9) // 4 * 4
     folder = Path(args.folder)
     fd, arena = tempfile.mkstemp(prefix="capserve-sink-source-", dir=args.arena_dir)
-    rounds: dict[str, list[float]] = {source: [] for source in SOURCES}
+    rounds: dict[str, list[float]] = {source: [] for source in (*SOURCES, *BUSY)}
     try:
         os.ftruncate(fd, size)
-        written = np.frombuffer(mmap.mmap(fd, size), np.uint8)
-        written[:] = 7  # the worker's writes, through its own mapping
+        with mmap.mmap(fd, size) as worker:  # the worker's writes, through its own mapping
+            np.frombuffer(worker, np.uint8)[:] = 7  # a view dropped at once, so the mapping can close
         touched = np.full(size, 7, np.uint8)
         for r in range(args.rounds):
             mapping = mmap.mmap(fd, 0)  # as ArenaReader maps the arena file
@@ -44,7 +70,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for source, array in zip(SOURCES, (touched, fresh, fresh)):
                 speed = sink_write_speed(folder, args.threads, size, args.file_mb << 20, array)["gb_per_s"]
                 rounds[source].append(speed)
-                print(f"round {r}: {source:30s} {speed:6.2f} GB/s", flush=True)
+                print(f"round {r}: {source:42s} {speed:6.2f} GB/s", flush=True)
+            for source, one_write_each in zip(BUSY, (False, True)):
+                with busy_python():
+                    speed = sink_write_speed(folder, args.threads, size, args.file_mb << 20, touched, PIECE_BYTES,
+                                             one_write_each)["gb_per_s"]
+                rounds[source].append(speed)
+                print(f"round {r}: {source:42s} {speed:6.2f} GB/s", flush=True)
             del fresh, array  # the mapping's last views: it closes now
             mapping.close()
     finally:
@@ -69,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args)
     for source, median in result["median_gb_per_s"].items():
-        print(f"{source:30s} {median:6.2f} GB/s  ({result['vs_touched'][source]:.2f}x the touched buffer)")
+        print(f"{source:42s} {median:6.2f} GB/s  ({result['vs_touched'][source]:.2f}x the touched buffer)")
     print(f"wrote {write_result(f'sink_source_{args.label}', result, args.out)}")
 
 

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.bench_bandwidth import Plan
 from bench.bench_side_by_side import capserve_submit, deployments, start_capserve
 from bench.common import CONFIGS, VOCAB, Workload, dummy_model_folder, engine_settings, model_shape
-from replicas.arena import capture_arena_bytes
 
 Z_CASES = {"z-armed": "hook_z armed, unused", "z-capture": "capture hook_z 1 layer, all positions (bf16)",
            "z-ablate": "ablate 1 head of hook_z, 1 layer"}
@@ -41,9 +41,8 @@ def case_setup(case: str, config: str) -> tuple[dict[str, Any], dict[str, Any], 
         workload = Workload("bulk", 8 if small else 64, 64 if small else 512, 16)
         # as bench_bandwidth: the batch's rows find the start-up reserve (one registration), not
         # growth in 8 MiB pieces, where no copy spans a request's hooks
-        per_request = capture_arena_bytes(n_layers, workload.prompt_len + workload.max_tokens, shape["d_model"] * 2,
-                                          shape["d_model"])
-        return ({"armed_kinds": ["resid_post"], "steer_kinds": [], "arena_reserve_bytes": workload.prompts * per_request},
+        reserve = Plan(workload, n_layers, shape["d_model"]).arena_reserve(workload.prompts)
+        return ({"armed_kinds": ["resid_post"], "steer_kinds": [], "arena_reserve_bytes": reserve},
                 {"capture": {"hooks": hooks, "positions": "all", "dtype": "bfloat16"}}, workload)
     fields, cases = deployments(n_layers, None)["z"]
     return fields, cases[Z_CASES[case]], Workload("z", 16 if small else 32, 64 if small else 512, 32 if small else 256)

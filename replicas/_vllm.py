@@ -262,6 +262,11 @@ class StepLayout:
     def num_tokens(self) -> int:
         return int(self.offsets[-1]) if len(self.offsets) else 0
 
+    @property
+    def one_token_each(self) -> bool:
+        """Whether every request of the step runs exactly one token, as in a decode step."""
+        return self.num_tokens == len(self.req_ids)
+
     def chunk(self, k: int) -> tuple[int, int, int]:
         """Request k's (first row, absolute position of that row, number of rows) in this step."""
         first = int(self.offsets[k])

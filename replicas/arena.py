@@ -401,6 +401,9 @@ class ArenaReader:
     def __init__(self) -> None:
         self._files: dict[str, np.ndarray] = {}
         self._mappings: dict[str, mmap.mmap] = {}
+        # what the replica's results took from the arena: viewed in place, or copied out (and how long that took)
+        self.totals = {"viewed_bytes": 0, "copied_bytes": 0, "copy_s": 0.0}
+        self._counting = threading.Lock()  # results are read on several threads
 
     def read(self, described: dict[str, Any], held: HeldArena | None = None) -> np.ndarray:
         """A hook's rows: a read-only view of `held` when its blocks are one run and `held` is
@@ -416,15 +419,24 @@ class ArenaReader:
             first = int(blocks[0]) * per_block * row_bytes
             rows = np.frombuffer(held, np.uint8, n_rows * row_bytes, first).view(dtype).reshape(n_rows, width)
             rows.flags.writeable = False  # the caller's arrays, not the worker's blocks
+            self._count("viewed_bytes", rows.nbytes)
             return rows
-        rows = self._rows(layout.path, row_bytes)
+        began = time.perf_counter()
+        source = self._rows(layout.path, row_bytes)
         if in_one_run:
-            return rows[blocks[0] * per_block : blocks[0] * per_block + n_rows].copy().view(dtype).reshape(n_rows, width)
-        out = np.empty((n_rows, row_bytes), np.uint8)
-        for i, block in enumerate(blocks.tolist()):  # a block's rows are contiguous: one copy each
-            n = min(per_block, n_rows - i * per_block)
-            out[i * per_block : i * per_block + n] = rows[block * per_block : block * per_block + n]
+            out = source[blocks[0] * per_block : blocks[0] * per_block + n_rows].copy()
+        else:
+            out = np.empty((n_rows, row_bytes), np.uint8)
+            for i, block in enumerate(blocks.tolist()):  # a block's rows are contiguous: one copy each
+                n = min(per_block, n_rows - i * per_block)
+                out[i * per_block : i * per_block + n] = source[block * per_block : block * per_block + n]
+        self._count("copied_bytes", out.nbytes, time.perf_counter() - began)
         return out.view(dtype).reshape(n_rows, width)
+
+    def _count(self, key: str, nbytes: int, seconds: float = 0.0) -> None:
+        with self._counting:
+            self.totals[key] += nbytes
+            self.totals["copy_s"] += seconds
 
     def hold(self, path: str) -> HeldArena:
         """A handle on the whole mapping for one result's views (`read(..., held)`). Every array

@@ -163,7 +163,7 @@ class Collector:
         """Hand over the rows and logits every request of the step asked for."""
         columns = requests.columns
         steady, self.steady = self.steady, None
-        if steady is not None and batch.repeats and batch.step.num_tokens == len(batch.rows):
+        if steady is not None and batch.repeats and batch.step.one_token_each:
             decode = (steady.key, steady.places)  # the steady step's requests, each on its next token
         else:
             decode = self._decode_key(batch, columns)
@@ -183,7 +183,7 @@ class Collector:
         "prompt" and "last_prompt" select none, explicit indices may), two capture groups, rows
         recorded before (a request recomputed after preemption)."""
         rows = batch.rows
-        if batch.step.num_tokens != len(rows) or (columns["sae"][rows] > 0).any():
+        if not batch.step.one_token_each or (columns["sae"][rows] > 0).any():
             return None
         group, modes, logits = columns["group"][rows], columns["positions"][rows], columns["logits"][rows]
         if np.isin(logits, (NO_LOGITS, *PROMPT_ONLY), invert=True).any():

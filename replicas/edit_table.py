@@ -100,7 +100,7 @@ class EditTable:
         """Point the rows each request of the step edits at its slots, on the device; returns the
         sites edited in this step. A decode step whose rows edit as the previous step's did (the
         same requests in the same order) leaves the device maps as they are."""
-        if batch.repeats and self._last_key is not None and batch.step.num_tokens == len(batch.rows):
+        if batch.repeats and self._last_key is not None and batch.step.one_token_each:
             return self._last_slots  # the decode step before's requests, each on its next token
         key = self._decode_key(batch, requests.columns) if requests.requests else None
         if key is not None and key == self._last_key:

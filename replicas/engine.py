@@ -147,6 +147,16 @@ class CaptureEngine:
         stats = await self.llm.collective_rpc("capserve_stats", timeout=timeout_s)
         return stats[0]
 
+    async def decode_periods(self, timeout_s: float = 30.0) -> list[float]:
+        """The worker's latest periods from one decode step to the next, in microseconds, oldest first."""
+        periods = await self.llm.collective_rpc("capserve_decode_periods", timeout=timeout_s)
+        return periods[0]
+
+    @property
+    def arena_reads(self) -> dict[str, float]:
+        """What results took from the arena: bytes viewed in place, bytes copied out, seconds copying."""
+        return dict(self._arena.totals)
+
     def engine_pids(self) -> list[int]:
         """The engine core process(es) this engine started."""
         from replicas import _vllm

@@ -208,9 +208,11 @@ class EngineReplica:
         }
 
     async def stats(self) -> dict[str, Any]:
-        """Where this replica's time goes: its worker's step-loop timers (`CaptureEngine.stats`)
-        and its shard sink's totals (shards, bytes, seconds waiting for a slot and writing)."""
-        return {"replica": self.name, "engine": await self._engine.stats(), "sink": dict(self._sink.totals)}
+        """Where this replica's time goes: its worker's step-loop timers (`CaptureEngine.stats`),
+        what its results took from the arena (`CaptureEngine.arena_reads`) and its shard sink's
+        totals (shards, bytes, seconds waiting for a slot and writing)."""
+        return {"replica": self.name, "engine": await self._engine.stats(), "reads": self._engine.arena_reads,
+                "sink": dict(self._sink.totals)}
 
     async def identity(self) -> dict[str, Any]:
         """Who this replica is, with its engine's process ids (tests kill them and check they die)."""

@@ -105,7 +105,7 @@ class Batch:
     def is_decode(self, prompt_len: np.ndarray, places: np.ndarray | slice = slice(None)) -> bool:
         """Whether every request of the step runs one token, and those at `places` (all by
         default) a generated one: prompt_len is the step's requests' prompt lengths."""
-        return self.step.num_tokens == len(self.rows) and bool((self.step.start_positions[places] >= prompt_len).all())
+        return self.step.one_token_each and bool((self.step.start_positions[places] >= prompt_len).all())
 
 
 class RequestTable:

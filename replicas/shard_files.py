@@ -12,7 +12,9 @@ what that means on each filesystem); the .safetensors file is the commit.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,12 +97,40 @@ def write_safetensors(f: Any, tensors: list[tuple[str, str, list[int], list[np.n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, so every map is aligned
     f.write(struct.pack("<Q", len(raw)) + raw)
+    pieces = []
     for name, dtype, _, chunks in tensors:
         for chunk in chunks:
             if chunk.dtype != DTYPES[dtype]:
                 raise TypeError(f"tensor {name!r}: a chunk has dtype {chunk.dtype}, the shard stores {dtype}")
-            f.write(np.ascontiguousarray(chunk).view(np.uint8).data)  # bf16 has no buffer format; bytes do
+            pieces.append(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1).data)  # bf16 has no buffer format; bytes do
+    write_pieces(f, pieces)
     return 8 + len(raw) + offset
+
+
+IOV_MAX = 1024  # Linux's limit on the buffers of one writev
+
+
+def write_pieces(f: Any, pieces: list[memoryview]) -> None:
+    """Write byte buffers in order. Into an OS file, as few `os.writev` calls as the OS allows:
+    each releases the GIL once for many buffers. A writer thread that returns to Python between
+    pieces waits for the GIL, up to the interpreter's switch interval (5 ms) while another thread
+    runs Python (a replica's event loop): on the H200 host 4 MiB pieces written one call each went
+    at 0.20x the speed of whole files, vectored at 0.86x (`bench/bench_sink_source.py`)."""
+    if not isinstance(f, (io.BufferedWriter, io.FileIO)):
+        for piece in pieces:
+            f.write(piece)
+        return
+    f.flush()  # what went through the buffer (the header) comes first
+    pending = [piece for piece in pieces if len(piece)]
+    while pending:
+        written = os.writev(f.fileno(), pending[:IOV_MAX])
+        done = 0
+        while done < len(pending) and written >= len(pending[done]):  # a short write ends inside a piece
+            written -= len(pending[done])
+            done += 1
+        pending = pending[done:]
+        if written:
+            pending[0] = pending[0][written:]
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:

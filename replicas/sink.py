@@ -20,6 +20,8 @@ publishes the shard itself (`replicas.shard_files`: safetensors, atomic publish)
 from __future__ import annotations
 
 import asyncio
+import resource
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -152,16 +154,17 @@ def sink_folder(url: str) -> Store:
 
 
 async def publish_shard(threads: Executor | None, folder: Store, k: int, lines: list[LineRows], hooks: list[str], dtype: str,
-                        d_model: int) -> int:
-    """`write_shard` on one of `threads` (None: the loop's default executor), awaited to its end
-    even when the awaiting task is cancelled; the cancellation then goes on. Both writers (this
-    sink and the driver's `provider.dataset.harvest`) publish through it.
+                        d_model: int, write: Callable[..., int] = write_shard) -> int:
+    """`write` (`write_shard`, or a wrapper timing it) on one of `threads` (None: the loop's
+    default executor), awaited to its end even when the awaiting task is cancelled; the
+    cancellation then goes on. Both writers (this sink and the driver's
+    `provider.dataset.harvest`) publish through it.
 
     A thread cannot be stopped: abandoning the await would let the write publish its shard after
     the run that started it has ended (`capserve capture` already out with KeyboardInterrupt,
     a rerun already counting finished shards), and would free the job's backpressure slot while
     the thread still holds the rows."""
-    written = asyncio.get_running_loop().run_in_executor(threads, write_shard, folder, k, lines, hooks, dtype, d_model)
+    written = asyncio.get_running_loop().run_in_executor(threads, write, folder, k, lines, hooks, dtype, d_model)
     cancelled: asyncio.CancelledError | None = None
     while not written.done():
         try:
@@ -198,8 +201,10 @@ class ShardSink:
         self._policy = policy
         self._slots: asyncio.Semaphore | None = None  # made on the replica's loop, at first use
         # where a replica's shards spend their time, for `EngineReplica.stats` (sums over shards);
-        # write_s runs from handing a shard to the threads to its publication, a wait for a free thread included
-        self.totals = {"shards": 0, "bytes": 0, "slot_wait_s": 0.0, "write_s": 0.0}
+        # write_s runs from handing a shard to the threads to its publication, a wait for a free
+        # thread included; writing_s is the threads' own time in `write_shard`, minor_faults their page faults
+        self.totals = {"shards": 0, "bytes": 0, "slot_wait_s": 0.0, "write_s": 0.0, "writing_s": 0.0, "minor_faults": 0}
+        self._writing = threading.Lock()
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -214,14 +219,30 @@ class ShardSink:
 
     async def write(self, folder: Store, job: ShardJob, lines: list[LineRows]) -> int:
         began = time.perf_counter()
-        size = await publish_shard(self._threads, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model)
+        size = await publish_shard(self._threads, folder, job.shard, lines, job.spec.hooks, job.spec.dtype, job.d_model,
+                                   self._timed_write)
         self.totals["write_s"] += time.perf_counter() - began
         self.totals["shards"] += 1
         self.totals["bytes"] += size
         return size
 
+    def _timed_write(self, *args: Any) -> int:
+        began, faults = time.perf_counter(), _minor_faults()
+        try:
+            return write_shard(*args)
+        finally:
+            with self._writing:  # the threads add up concurrently
+                self.totals["writing_s"] += time.perf_counter() - began
+                self.totals["minor_faults"] += _minor_faults() - faults
+
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _minor_faults() -> int:
+    """This thread's minor page faults so far: a writer faulting in the arena's pages as it reads
+    them (the replica maps the worker's arena file) shows here."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 async def run_shard(job: ShardJob, generate: Generate, sink: ShardSink) -> ShardIndex:

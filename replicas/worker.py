@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -39,6 +40,8 @@ from replicas.plans import PLAN_KEY
 from replicas.request_table import UNPLANNED, Batch, Entry, RequestTable
 from replicas.sae import load_saes
 from replicas.step_profile import StepProfiler
+
+RECENT_PERIODS = 4096  # decode periods kept for their spread (`capserve_decode_periods`)
 
 
 class _CaptureState:
@@ -72,6 +75,7 @@ class _CaptureState:
         self.steps = 0
         self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0, "decode_period": 0.0}
         self.decode_periods = 0  # decode steps timed from the decode step before them
+        self.recent_periods: deque[float] = deque(maxlen=RECENT_PERIODS)
         self._decode_began: float | None = None
         self.profiler = StepProfiler.maybe(options, on_gpu=self.device.type == "cuda")
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
@@ -114,10 +118,11 @@ class _CaptureState:
     def _time_decode(self, step: _vllm.StepLayout, began: float) -> None:
         """The engine's period from one decode step to the next: whether a cost lies in the engine
         process (the period grows) or only in the caller's handling of the outputs (it does not)."""
-        decode = step.num_tokens == len(step.req_ids)
+        decode = step.one_token_each
         if decode and self._decode_began is not None:
             self.seconds["decode_period"] += began - self._decode_began
             self.decode_periods += 1
+            self.recent_periods.append(began - self._decode_began)
         self._decode_began = began if decode else None
 
     # ------------------------------------------------------------ request lifecycle
@@ -251,6 +256,10 @@ class _CaptureWorkerMixin:
 
     def capserve_stats(self) -> dict[str, Any]:
         return self.capserve_state.stats()
+
+    def capserve_decode_periods(self) -> list[float]:
+        """The latest decode periods (`RECENT_PERIODS` at most), oldest first, in microseconds."""
+        return [round(seconds * 1e6, 1) for seconds in self.capserve_state.recent_periods]
 
     def capserve_attention(self) -> list[dict[str, Any]]:
         """Each layer's attention geometry (`_vllm.AttentionGeometry`), for patterns on the replica."""

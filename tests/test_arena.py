@@ -588,6 +588,8 @@ def test_a_result_views_the_arena_in_place_until_its_last_array_is_dropped(host)
     copied = host.reader.read(described)  # without a holder: a copy
     assert not np.shares_memory(copied, np.frombuffer(host.reader.hold(host.layout.path), np.uint8))
     np.testing.assert_array_equal(copied, host.expected(buffers)[1])
+    totals = host.reader.totals  # one read in place, one copied out
+    assert totals["viewed_bytes"] == totals["copied_bytes"] == copied.nbytes and totals["copy_s"] > 0
 
 
 def test_an_arena_at_its_limit_hands_out_scattered_blocks_rather_than_fail(tmp_path):

@@ -284,6 +284,8 @@ def test_repeated_decode_steps_skip_the_selection_and_capture_the_same_rows(loop
     periods = after["decode_periods"] - before["decode_periods"]
     period_s = after["seconds"]["decode_period"] - before["seconds"]["decode_period"]
     assert 14 <= periods <= 15 and 0 < period_s < elapsed
+    recent = loop.run(engine.decode_periods())  # the same periods one by one, the latest last
+    assert sum(recent[-periods:]) == pytest.approx(period_s * 1e6, rel=1e-3, abs=periods * 0.1)
     for result in results:
         assert len(result.positions) == 36 + 15
         prefilled = loop.run(engine.generate({"prompt": result.capture_token_ids, "max_tokens": 1, "temperature": 0,

@@ -75,6 +75,38 @@ def test_a_shard_written_to_memory_reads_back_equal_to_a_local_one(memory_url, t
         assert store.read_bytes(name) == (tmp_path / name).read_bytes()
 
 
+@pytest.mark.parametrize("most_per_call", [None, 1000])
+def test_pieces_reach_a_local_file_whole_and_in_order_through_short_writes(tmp_path, monkeypatch, most_per_call):
+    import os
+
+    from replicas import shard_files
+
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 255, int(n), np.uint8) for n in rng.integers(0, 700, shard_files.IOV_MAX + 300)]
+    if most_per_call is not None:  # a regular file's writev may stop early (a signal, a full disk)
+        real = os.writev
+
+        def short(fd, buffers):
+            kept, room = [], most_per_call
+            for buffer in buffers:
+                kept.append(buffer[:room])
+                room -= len(kept[-1])
+                if not room:
+                    break
+            return real(fd, kept)
+
+        monkeypatch.setattr(shard_files.os, "writev", short)
+    store = LocalStore(tmp_path)
+
+    def write(f):
+        f.write(b"head")  # through the file's buffer, as the safetensors header is
+        shard_files.write_pieces(f, [piece.data for piece in pieces])
+
+    size = store.write_atomic("a.bin", write)
+    expected = b"head" + b"".join(piece.tobytes() for piece in pieces)
+    assert size == len(expected) and (tmp_path / "a.bin").read_bytes() == expected
+
+
 @pytest.mark.parametrize("sink", ["driver", "replica"])
 def test_capture_into_a_url_resumes_and_loads_like_a_folder(memory_url, tmp_path, sink):
     texts = prompts(23) + [""] + prompts(3)
@@ -123,6 +155,37 @@ def test_a_replica_refuses_a_job_for_an_unknown_scheme_and_goes_on(tmp_path):
     written = (tmp_path / "shard-000000.safetensors").stat().st_size + (tmp_path / "shard-000000.jsonl").stat().st_size
     assert sink.totals["shards"] == 1 and sink.totals["bytes"] == written  # the refused job counts nothing
     sink.close()
+
+
+def test_a_sink_counts_its_writing_time_and_the_faults_of_reading_a_fresh_mapping(tmp_path):
+    """What `EngineReplica.stats` reports of a replica's writers: their own time in the write, and
+    the page faults of reading rows that view a file mapped afresh (as rows view the arena)."""
+    import mmap
+
+    from provider.dataset.shards import LineRows
+    from replicas.sink import RowSpec
+
+    d_model, rows = 1024, 512
+    source = tmp_path / "arena"
+    source.write_bytes(np.arange(rows * d_model, dtype=np.float32).tobytes())
+    with open(source, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0)
+    array = np.frombuffer(mapping, np.float32).reshape(rows, d_model)  # no page of it touched yet
+    line = LineRows(0, {"h": array}, list(range(rows)), [0] * rows)
+    job = ShardJob(folder=str(tmp_path / "out"), shard=0, spec=RowSpec(hooks=["h"], dtype="float32"), d_model=d_model, lines=[])
+    sink = ShardSink()
+    (tmp_path / "out").mkdir()
+    asyncio.run(sink.write(open_store(tmp_path / "out"), job, [line]))
+    from safetensors.numpy import load_file
+
+    np.testing.assert_array_equal(load_file(tmp_path / "out" / "shard-000000.safetensors")["h"], array)
+    assert 0 < sink.totals["writing_s"] <= sink.totals["write_s"]
+    first = sink.totals["minor_faults"]
+    asyncio.run(sink.write(open_store(tmp_path / "out"), job, [line]))  # the same rows, now mapped
+    assert first > sink.totals["minor_faults"] - first >= 0
+    sink.close()
+    del array, line
+    mapping.close()
 
 
 def test_the_cli_exits_2_naming_out_for_an_unknown_scheme(tmp_path, capsys):
