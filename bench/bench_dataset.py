@@ -17,8 +17,10 @@ all stored as `--dtype` (bfloat16 by default). Plain prefill is the same prompts
 same Router with max_tokens=1 and no capture, as many in flight as the capture path keeps, so
 every ratio is measured in one run on warm engines. The sink folder's raw write speed is measured
 too: shard-sized safetensors files written (fsynced, renamed) by as many threads as the replicas'
-writers together (`--sink-threads` each, the app's `sink.threads`), and case c's GB/s is reported
-against it.
+writers together (`--sink-threads` each, the app's `sink.threads`): once at start (`--probe-gb`),
+and after each case at that case's volume, its files kept until the last is written, as the
+case keeps its shards (tmpfs slows as it fills: on the H200 host 4 threads wrote 9.3 GB/s into
+an empty /dev/shm and 3.3-4.6 GB/s once it held 25-75 GB). Case c's GB/s is reported against both.
 
 Memory: a case's prompt count is capped so that its shards fit in `--sink-fill` of the sink
 folder's free space (the shards of each case are deleted before the next one), and a shard holds
@@ -123,12 +125,14 @@ def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
 
 
 def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int, source: np.ndarray | None = None,
-                     piece_bytes: int | None = None, one_write_each: bool = False) -> dict[str, Any]:
+                     piece_bytes: int | None = None, one_write_each: bool = False, by_batch: bool = False) -> dict[str, Any]:
     """GB/s of shard-sized safetensors files written into `folder` by `threads` threads, through
-    the shard writer's own atomic write (temp name, fsync, rename); deleted afterwards. The files
-    hold one random buffer, or consecutive slices of `source` (uint8) when given; each in one
-    piece, or in pieces of `piece_bytes` as a shard holds its lines' rows per hook, written by one
-    write call each with `one_write_each` (the shard writer before it wrote vectored)."""
+    the shard writer's own atomic write (temp name, fsync, rename); all kept until the last is
+    written, then deleted. The files hold one random buffer, or consecutive slices of `source`
+    (uint8) when given; each in one piece, or in pieces of `piece_bytes` as a shard holds its
+    lines' rows per hook, written by one write call each with `one_write_each` (the shard writer
+    before it wrote vectored). With `by_batch`, also each batch of `threads` files' GB/s and the
+    GB the folder held after it (`batches`): how the sink slows as it fills."""
     from replicas.shard_files import write_safetensors
     from replicas.shard_store import open_store
 
@@ -151,13 +155,18 @@ def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: i
         return store.write_atomic(f"probe-{i:04d}.safetensors",
                                   lambda f: write_safetensors(_OneWriteEach(f) if one_write_each else f, tensors, {}))
 
+    batches, written, per_batch = [], 0, threads if by_batch else files
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        written = sum(pool.map(one, range(files)))
+        for first in range(0, files, per_batch):
+            began = time.perf_counter()
+            in_batch = sum(pool.map(one, range(first, min(first + per_batch, files))))
+            written += in_batch
+            batches.append({"gb_held": written / 1e9, "gb_per_s": in_batch / (time.perf_counter() - began) / 1e9})
     seconds = time.perf_counter() - started
     shutil.rmtree(probe)
     return {"folder": str(folder), "threads": threads, "files": files, "file_mb": file_bytes / 1e6,
-            "gb": written / 1e9, "seconds": seconds, "gb_per_s": written / seconds / 1e9}
+            "gb": written / 1e9, "seconds": seconds, "gb_per_s": written / seconds / 1e9} | ({"batches": batches} if by_batch else {})
 
 
 class _OneWriteEach:
@@ -258,9 +267,13 @@ def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argpars
     captured["replicas"] = stats_spent(between, replica_stats(replicas))
     tokens = plan.prompts * args.prompt_len
     captured["tokens_per_s"] = tokens / captured["seconds"]
+    # the sink as this case used it: as many bytes, in shard-sized files, all kept until the last
+    at_volume = sink_write_speed(work, args.sink_threads * replicas, max(plan.bytes_expected, 1 << 20),
+                                 plan.shard_lines * plan.case.bytes_per_line)
     return {"hooks": _hooks_text(plan.case.hooks), "positions": plan.case.positions, "prompts": plan.prompts,
             "prompts_capped": plan.capped, "shard_lines": plan.shard_lines, "bytes_per_line": plan.case.bytes_per_line,
-            "plain": plain, "capture": captured, "ratio_vs_plain": captured["tokens_per_s"] / plain["tokens_per_s"]}
+            "plain": plain, "capture": captured, "ratio_vs_plain": captured["tokens_per_s"] / plain["tokens_per_s"],
+            "sink_write_at_volume": at_volume, "over_sink_at_volume": captured["gb_per_s"] / at_volume["gb_per_s"]}
 
 
 def replica_stats(replicas: int, tries: int = 50) -> dict[str, dict[str, Any]]:
@@ -362,7 +375,8 @@ def _print_case(name: str, result: dict[str, Any]) -> None:
     capped = f" ({result['prompts_capped']})" if result["prompts_capped"] else ""
     print(f"  case {name}: {result['prompts']} prompts{capped}: plain {plain['tokens_per_s']:9.0f} tok/s | capture "
           f"{captured['tokens_per_s']:9.0f} tok/s ({result['ratio_vs_plain']:.3f}x), {captured['gb_written']:.3f} GB "
-          f"in {captured['seconds']:.1f} s = {captured['gb_per_s']:.2f} GB/s", flush=True)
+          f"in {captured['seconds']:.1f} s = {captured['gb_per_s']:.2f} GB/s; the sink at that volume "
+          f"{result['sink_write_at_volume']['gb_per_s']:.2f} GB/s ({result['over_sink_at_volume']:.2f}x of it)", flush=True)
     for label, spent in (("plain", plain["replicas"]), ("capture", captured["replicas"])):
         for replica, used in spent.items():
             print(f"    {label} {replica}: {used['steps']} steps, worker {used['worker_s']}, arena reads {used['reads']}, "
@@ -423,6 +437,9 @@ def print_table(path: Path) -> None:
                   f"{case['ratio_vs_plain']:6.3f} {c['gb_written']:7.3f} {c['gb_per_s']:6.3f} {case.get('over_1_replica', float('nan')):6.2f}")
         sink = run["sink_write"]
         over = f", case c at {run['c_over_sink_write']:.2f}x of it" if "c_over_sink_write" in run else ""
+        if "over_sink_at_volume" in run["cases"].get("c", {}):
+            c = run["cases"]["c"]
+            over += f" and at {c['over_sink_at_volume']:.2f}x of the sink at its volume ({c['sink_write_at_volume']['gb_per_s']:.2f} GB/s)"
         print(f"{key:11s} sink raw write {sink['gb_per_s']:.2f} GB/s ({sink['threads']} threads){over}")
     print(f"\nwrote {path}")
 

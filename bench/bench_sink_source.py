@@ -3,10 +3,12 @@ has touched, from a fresh mapping of a shared-memory file (as a replica maps the
 the first read of each page faults it into the mapping) and from that mapping again; then from
 the touched buffer in 4 MiB pieces (a line's rows of one hook) while another thread of the
 process runs Python (as a replica's event loop does), written vectored (the shard writer) and
-with one write call per piece (the writer before: each call's return waits for the GIL).
+with one write call per piece (the writer before: each call's return waits for the GIL). With
+--fill-gb, last, shard files written batch by batch and all kept, as bench_dataset's case c keeps
+its shards: how the sink folder slows as it fills (tmpfs allocates every page anew).
 
-    python -m bench.bench_sink_source --folder /dev/shm --gb 8 --threads 4 --out DIR   # GPU host
-    python -m bench.bench_sink_source --gb 1 --threads 2                              # CPU smoke run
+    python -m bench.bench_sink_source --folder /dev/shm --gb 8 --threads 4 --fill-gb 72 --out DIR   # GPU host
+    python -m bench.bench_sink_source --gb 1 --threads 2 --out /tmp                                 # CPU smoke run
 
 `capserve capture`'s replica-side writers read the arena (bench_dataset case c); its probe of the
 sink folder writes from a touched buffer. Each round runs the sources in turn (a new mapping each
@@ -79,13 +81,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"round {r}: {source:42s} {speed:6.2f} GB/s", flush=True)
             del fresh, array  # the mapping's last views: it closes now
             mapping.close()
+        # the sink as bench_dataset's case c fills it: shards kept until the last is written
+        fill = sink_write_speed(folder, args.threads, int(args.fill_gb * 1e9), args.file_mb << 20, touched,
+                                by_batch=True) if args.fill_gb else None
     finally:
         os.close(fd)
         os.unlink(arena)
     medians = {source: statistics.median(values) for source, values in rounds.items()}
     base = medians[SOURCES[0]]
     return {"folder": str(folder), "gb": size / 1e9, "threads": args.threads, "file_mb": args.file_mb,
-            "gb_per_s": rounds, "median_gb_per_s": medians, "vs_touched": {s: m / base for s, m in medians.items()}}
+            "gb_per_s": rounds, "median_gb_per_s": medians, "vs_touched": {s: m / base for s, m in medians.items()},
+            "fill": fill}
 
 
 def main() -> None:
@@ -96,12 +102,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--file-mb", type=int, default=1800, help="shard size (bench_dataset case c: ~1,880 MB)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fill-gb", type=float, default=0.0,
+                        help="then write this much, every file kept, reporting each batch's GB/s (0: skip)")
     parser.add_argument("--label", default="cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result = run(args)
     for source, median in result["median_gb_per_s"].items():
         print(f"{source:42s} {median:6.2f} GB/s  ({result['vs_touched'][source]:.2f}x the touched buffer)")
+    for batch in (result["fill"] or {}).get("batches", []):
+        print(f"filling: {batch['gb_per_s']:6.2f} GB/s, the folder then holding {batch['gb_held']:.1f} GB")
     print(f"wrote {write_result(f'sink_source_{args.label}', result, args.out)}")
 
 
