@@ -18,9 +18,13 @@ same Router with max_tokens=1 and no capture, as many in flight as the capture p
 every ratio is measured in one run on warm engines. The sink folder's raw write speed is measured
 too: shard-sized safetensors files written (fsynced, renamed) by as many threads as the replicas'
 writers together (`--sink-threads` each, the app's `sink.threads`): once at start (`--probe-gb`),
-and after each case at that case's volume, its files kept until the last is written, as the
-case keeps its shards (tmpfs slows as it fills: on the H200 host 4 threads wrote 9.3 GB/s into
-an empty /dev/shm and 3.3-4.6 GB/s once it held 25-75 GB). Case c's GB/s is reported against both.
+and right before and right after each case's capture at that case's volume, its files kept until
+the last is written, as the case keeps its shards. Where the sink is tmpfs in a VM that hands
+freed memory back to its host (free page reporting), a write into memory the guest has not touched
+lately pays a fault in the host and runs several times slower than one into pages just freed
+(`bench_sink_source --fill-passes`): the probe before the capture meets the memory as the machine
+left it, the capture meets the probe's pages just freed, the probe after meets the capture's.
+Case c's GB/s is reported against all three.
 
 Memory: a case's prompt count is capped so that its shards fit in `--sink-fill` of the sink
 folder's free space (the shards of each case are deleted before the next one), and a shard holds
@@ -259,6 +263,9 @@ def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argpars
     plain = plain_prefill(prompts[: plan.prompts], clients)
     between = replica_stats(replicas)
     plain["replicas"] = stats_spent(before, between)
+    # the sink as this case uses it: as many bytes, in shard-sized files, all kept until the last
+    volume, file_bytes = max(plan.bytes_expected, 1 << 20), plan.shard_lines * plan.case.bytes_per_line
+    before_capture = sink_write_speed(work, args.sink_threads * replicas, volume, file_bytes)
     out = work / f"case_{plan.case.name}"
     try:
         captured = capture_case(plan, source, out, args)
@@ -267,12 +274,11 @@ def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argpars
     captured["replicas"] = stats_spent(between, replica_stats(replicas))
     tokens = plan.prompts * args.prompt_len
     captured["tokens_per_s"] = tokens / captured["seconds"]
-    # the sink as this case used it: as many bytes, in shard-sized files, all kept until the last
-    at_volume = sink_write_speed(work, args.sink_threads * replicas, max(plan.bytes_expected, 1 << 20),
-                                 plan.shard_lines * plan.case.bytes_per_line)
+    at_volume = sink_write_speed(work, args.sink_threads * replicas, volume, file_bytes)
     return {"hooks": _hooks_text(plan.case.hooks), "positions": plan.case.positions, "prompts": plan.prompts,
             "prompts_capped": plan.capped, "shard_lines": plan.shard_lines, "bytes_per_line": plan.case.bytes_per_line,
             "plain": plain, "capture": captured, "ratio_vs_plain": captured["tokens_per_s"] / plain["tokens_per_s"],
+            "sink_write_before": before_capture, "over_sink_before": captured["gb_per_s"] / before_capture["gb_per_s"],
             "sink_write_at_volume": at_volume, "over_sink_at_volume": captured["gb_per_s"] / at_volume["gb_per_s"]}
 
 
@@ -376,7 +382,8 @@ def _print_case(name: str, result: dict[str, Any]) -> None:
     print(f"  case {name}: {result['prompts']} prompts{capped}: plain {plain['tokens_per_s']:9.0f} tok/s | capture "
           f"{captured['tokens_per_s']:9.0f} tok/s ({result['ratio_vs_plain']:.3f}x), {captured['gb_written']:.3f} GB "
           f"in {captured['seconds']:.1f} s = {captured['gb_per_s']:.2f} GB/s; the sink at that volume "
-          f"{result['sink_write_at_volume']['gb_per_s']:.2f} GB/s ({result['over_sink_at_volume']:.2f}x of it)", flush=True)
+          f"{result['sink_write_before']['gb_per_s']:.2f} GB/s before ({result['over_sink_before']:.2f}x of it), "
+          f"{result['sink_write_at_volume']['gb_per_s']:.2f} GB/s after ({result['over_sink_at_volume']:.2f}x)", flush=True)
     for label, spent in (("plain", plain["replicas"]), ("capture", captured["replicas"])):
         for replica, used in spent.items():
             print(f"    {label} {replica}: {used['steps']} steps, worker {used['worker_s']}, arena reads {used['reads']}, "
@@ -437,9 +444,11 @@ def print_table(path: Path) -> None:
                   f"{case['ratio_vs_plain']:6.3f} {c['gb_written']:7.3f} {c['gb_per_s']:6.3f} {case.get('over_1_replica', float('nan')):6.2f}")
         sink = run["sink_write"]
         over = f", case c at {run['c_over_sink_write']:.2f}x of it" if "c_over_sink_write" in run else ""
-        if "over_sink_at_volume" in run["cases"].get("c", {}):
+        if "over_sink_before" in run["cases"].get("c", {}):
             c = run["cases"]["c"]
-            over += f" and at {c['over_sink_at_volume']:.2f}x of the sink at its volume ({c['sink_write_at_volume']['gb_per_s']:.2f} GB/s)"
+            over += (f"; of the sink at its volume, before the capture {c['over_sink_before']:.2f}x "
+                     f"({c['sink_write_before']['gb_per_s']:.2f} GB/s), after it {c['over_sink_at_volume']:.2f}x "
+                     f"({c['sink_write_at_volume']['gb_per_s']:.2f} GB/s)")
         print(f"{key:11s} sink raw write {sink['gb_per_s']:.2f} GB/s ({sink['threads']} threads){over}")
     print(f"\nwrote {path}")
 

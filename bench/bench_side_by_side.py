@@ -5,9 +5,13 @@
 
 Plain vLLM (CUDA graphs, its default runner) and two capserve engines (CUDA graphs) live on the
 same GPU, a third of its memory each, and take turns: every round runs each case's batch once,
-plain first. A process-per-engine run drifts by a few percent; alternating in one process cancels
+plain first, then plain again (a batch right after the same engine's batch, as every capserve case
+but the first runs). On the H200 a capserve case right after another was slower than the first one
+after plain, whether or not it carried a plan; the two plain batches say whether plain vLLM does
+the same. A process-per-engine run drifts by a few percent; alternating in one process cancels
 that. Reported per case: tokens per second (prompt + generated) of the first round and the median
-of the later ones, each as a ratio to plain's batch of the same round(s); the worker's step
+of the later ones, each as a ratio to plain's batch of the same round(s), and that median against
+plain's second batch (`warm_ratio_vs_plain_again`); the worker's step
 loop time outside the forward (prepare, collect) per step and the engine's period from one decode
 step to the next (`decode_period`), in microseconds; and per round the
 batch's phases in milliseconds (`ms_per_phase`): until every request had its first output
@@ -17,7 +21,8 @@ phase it lands in: per request (admission, the tail) or per step (decode).
 
 Deployments and cases:
   z        hook_z armed (capture) at every layer, edits on z at the middle layer (`steer_layers`):
-           armed, unused | hook_z at 1 layer, every position, bf16 | ablate 1 head at that layer;
+           armed, unused | the same right after itself | hook_z at 1 layer, every position, bf16 |
+           ablate 1 head at that layer;
            two cases split a capture's or edit's cost into per-request and per-step parts: hook_z
            at 1 layer for last_prompt (a plan, one row) | scale 1 head by 1.0 (an edit that
            changes nothing but runs every step); then armed, unused again, after the planned
@@ -43,6 +48,7 @@ from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, Workload, dummy_model_
 
 Submit = Callable[[list[int]], Awaitable[Any]]
 PLAIN = "plain vLLM, CUDA graphs"
+PLAIN_AGAIN = "plain vLLM, right after itself"
 
 
 def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
@@ -52,6 +58,8 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
     pattern = {"armed_kinds": ["resid_post", "pattern"], "steer_kinds": []} | ({"saes": sae["config"]} if sae else {})
     z_cases = {
         "hook_z armed, unused": {},
+        # the same batch right after itself: a batch after the same engine's, no plan anywhere
+        "hook_z armed, unused, right after itself": {},
         "capture hook_z 1 layer, all positions (bf16)": {
             "capture": {"hooks": [f"blocks.{middle}.attn.hook_z"], "positions": "all", "dtype": "bfloat16"}
         },
@@ -174,7 +182,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.workloads:
             workload = WORKLOADS[name]
             prompts = workload.prompt_ids(vocab=VOCAB)
-            submits = {PLAIN: plain_submit(plain, workload)} | {
+            submits = {PLAIN: plain_submit(plain, workload), PLAIN_AGAIN: plain_submit(plain, workload)} | {
                 case: capserve_submit(engine, workload, extra) for case, (engine, extra) in cases.items()
             }
             for submit in submits.values():  # warm-up
@@ -241,17 +249,15 @@ class WorkerTime:
 
 
 def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
-    base = rounds[PLAIN]
-    out = {}
-    for case, values in rounds.items():
-        warm = values[1:] or values
-        out[case] = {
-            "tok_per_s": values,
-            "first_ratio": values[0] / base[0],
-            "warm_median_tok_per_s": statistics.median(warm),
-            "warm_ratio": statistics.median(warm) / statistics.median(base[1:] or base),
-        }
-    return out
+    """Per case: the first round and the median of the later ones against plain's, and that median
+    against plain's second batch of those rounds (`warm_ratio_vs_plain_again`)."""
+    def warm(values: list[float]) -> float:
+        return statistics.median(values[1:] or values)
+
+    base, again = rounds[PLAIN], rounds[PLAIN_AGAIN]
+    return {case: {"tok_per_s": values, "first_ratio": values[0] / base[0], "warm_median_tok_per_s": warm(values),
+                   "warm_ratio": warm(values) / warm(base), "warm_ratio_vs_plain_again": warm(values) / warm(again)}
+            for case, values in rounds.items()}
 
 
 def sae_case(args: argparse.Namespace, n_layers: int) -> dict[str, Any] | None:
@@ -284,9 +290,9 @@ def main() -> None:
     payload = {"config": args.config, "rounds": args.rounds, "results": results}
     path = write_result(f"side_by_side_{args.config}", payload, args.out)
     for workload, cases in results.items():
-        print(f"\n{workload}: first round / median of later rounds, vs plain")
+        print(f"\n{workload}: first round / median of later rounds, vs plain; that median vs plain right after itself")
         for case, row in cases.items():
-            print(f"  {case:70s} {row['first_ratio']:.3f}  {row['warm_ratio']:.3f}")
+            print(f"  {case:70s} {row['first_ratio']:.3f}  {row['warm_ratio']:.3f}  {row['warm_ratio_vs_plain_again']:.3f}")
     print(f"\nwrote {path}")
 
 

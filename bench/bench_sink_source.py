@@ -5,9 +5,12 @@ the touched buffer in 4 MiB pieces (a line's rows of one hook) while another thr
 process runs Python (as a replica's event loop does), written vectored (the shard writer) and
 with one write call per piece (the writer before: each call's return waits for the GIL). With
 --fill-gb, last, shard files written batch by batch and all kept, as bench_dataset's case c keeps
-its shards: how the sink folder slows as it fills (tmpfs allocates every page anew).
+its shards: the sink folder's speed as it takes a case's volume (tmpfs allocates every page anew).
+With --fill-passes, that fill again right after the last pass's files were deleted: in a VM that
+hands freed memory back to its host (free page reporting), memory the guest has not touched lately
+costs a fault in the host on first touch, and a pass into pages just freed does not pay it.
 
-    python -m bench.bench_sink_source --folder /dev/shm --gb 8 --threads 4 --fill-gb 72 --out DIR   # GPU host
+    python -m bench.bench_sink_source --folder /dev/shm --gb 8 --threads 4 --fill-gb 72 --fill-passes 2 --out DIR   # GPU host
     python -m bench.bench_sink_source --gb 1 --threads 2 --out /tmp                                 # CPU smoke run
 
 `capserve capture`'s replica-side writers read the arena (bench_dataset case c); its probe of the
@@ -58,6 +61,7 @@ def busy_python() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     size = int(args.gb * 1e9) // 4 * 4
+    file_bytes = min(args.file_mb << 20, size)  # each file is a slice of the source
     folder = Path(args.folder)
     fd, arena = tempfile.mkstemp(prefix="capserve-sink-source-", dir=args.arena_dir)
     rounds: dict[str, list[float]] = {source: [] for source in (*SOURCES, *BUSY)}
@@ -70,20 +74,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mapping = mmap.mmap(fd, 0)  # as ArenaReader maps the arena file
             fresh = np.frombuffer(mapping, np.uint8)
             for source, array in zip(SOURCES, (touched, fresh, fresh)):
-                speed = sink_write_speed(folder, args.threads, size, args.file_mb << 20, array)["gb_per_s"]
+                speed = sink_write_speed(folder, args.threads, size, file_bytes, array)["gb_per_s"]
                 rounds[source].append(speed)
                 print(f"round {r}: {source:42s} {speed:6.2f} GB/s", flush=True)
             for source, one_write_each in zip(BUSY, (False, True)):
                 with busy_python():
-                    speed = sink_write_speed(folder, args.threads, size, args.file_mb << 20, touched, PIECE_BYTES,
+                    speed = sink_write_speed(folder, args.threads, size, file_bytes, touched, PIECE_BYTES,
                                              one_write_each)["gb_per_s"]
                 rounds[source].append(speed)
                 print(f"round {r}: {source:42s} {speed:6.2f} GB/s", flush=True)
             del fresh, array  # the mapping's last views: it closes now
             mapping.close()
         # the sink as bench_dataset's case c fills it: shards kept until the last is written
-        fill = sink_write_speed(folder, args.threads, int(args.fill_gb * 1e9), args.file_mb << 20, touched,
-                                by_batch=True) if args.fill_gb else None
+        fills = [sink_write_speed(folder, args.threads, int(args.fill_gb * 1e9), file_bytes, touched, by_batch=True)
+                 for _ in range(args.fill_passes if args.fill_gb else 0)]
     finally:
         os.close(fd)
         os.unlink(arena)
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = medians[SOURCES[0]]
     return {"folder": str(folder), "gb": size / 1e9, "threads": args.threads, "file_mb": args.file_mb,
             "gb_per_s": rounds, "median_gb_per_s": medians, "vs_touched": {s: m / base for s, m in medians.items()},
-            "fill": fill}
+            "fills": fills}
 
 
 def main() -> None:
@@ -104,14 +108,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fill-gb", type=float, default=0.0,
                         help="then write this much, every file kept, reporting each batch's GB/s (0: skip)")
+    parser.add_argument("--fill-passes", type=int, default=1, help="fills, each right after the last one's files were deleted")
     parser.add_argument("--label", default="cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result = run(args)
     for source, median in result["median_gb_per_s"].items():
         print(f"{source:42s} {median:6.2f} GB/s  ({result['vs_touched'][source]:.2f}x the touched buffer)")
-    for batch in (result["fill"] or {}).get("batches", []):
-        print(f"filling: {batch['gb_per_s']:6.2f} GB/s, the folder then holding {batch['gb_held']:.1f} GB")
+    for k, fill in enumerate(result["fills"]):
+        print(f"fill pass {k}: {fill['gb_per_s']:6.2f} GB/s over {fill['gb']:.1f} GB")
+        for batch in fill["batches"]:
+            print(f"  {batch['gb_per_s']:6.2f} GB/s, the folder then holding {batch['gb_held']:.1f} GB")
     print(f"wrote {write_result(f'sink_source_{args.label}', result, args.out)}")
 
 

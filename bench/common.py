@@ -214,7 +214,8 @@ def wait_for_gpu_memory(baseline: list[int], timeout_s: float, slack_mib: int = 
 
 
 def environment() -> dict[str, Any]:
-    info: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "python": platform.python_version()}
+    info: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "python": platform.python_version(),
+                            "kernel": platform.release(), "kernel_memory_flags": kernel_memory_flags()}
     try:
         import vllm
 
@@ -228,6 +229,16 @@ def environment() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         info["gpu"] = []
     return info
+
+
+def kernel_memory_flags() -> list[str]:
+    """The boot flags that change what a first touch of memory costs: a VM's free page reporting
+    (freed memory goes back to the host, and touching it again faults there) and the like."""
+    try:
+        flags = Path("/proc/cmdline").read_text().split()
+    except OSError:
+        return []
+    return [flag for flag in flags if flag.startswith(("page_reporting", "init_on_", "transparent_hugepage", "hugepages"))]
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None) -> Path:

@@ -463,7 +463,3 @@ class ModelInfo(BaseModel):
     hook_names: list[str]
     armed_kinds: list[str]
     attention: AttentionInfo | None = None
-
-
-def as_request(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:
-    return request if isinstance(request, GenerateRequest) else GenerateRequest.model_validate(request)

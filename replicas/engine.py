@@ -31,10 +31,9 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
 from replicas import arrays
-from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo, as_request
+from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo
 from replicas.architectures import BlockShape, absent_kinds, block_shape
 from replicas.arena import (
     ArenaLayout, ArenaReader, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path, delete_files, stored_in,
@@ -49,6 +48,7 @@ from replicas.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
 from replicas.plans import PLAN_KEY, build_wire_plan, reduced_on_replica
 from replicas.sae_specs import SaeCatalog, sae_results
 from replicas.tools import ToolCalling, ToolTurn, choice, template_inputs
+from replicas.validation import validated
 
 MIN_SHARED_MEMORY_BYTES = 2 << 30
 logger = logging.getLogger("capserve.engine")
@@ -172,7 +172,7 @@ class CaptureEngine:
 
     async def generate(self, request: GenerateRequest | dict[str, Any], on_output: Callable[[Any], None] | None = None) -> GenerateResult:
         """`on_output` sees each of vLLM's cumulative outputs as it comes (replicas.streaming); must not block."""
-        request = _validated(request)
+        request = validated(request)
         if self.capture_failure is not None and (request.capture is not None or request.logits is not None):
             raise ReplicaUnavailableError(f"replica {self.name}: {self.capture_failure}")
         turn = self._tool_turn(request)  # None without tools
@@ -462,21 +462,6 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def _validated(request: GenerateRequest | dict[str, Any]) -> GenerateRequest:
-    try:
-        return as_request(request)
-    except ValidationError as exc:
-        raise InvalidRequestError(_validation_message(exc)) from None
-
-
-def _validation_message(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors():
-        where = ".".join(str(p) for p in error["loc"]) or "request"
-        parts.append(f"{where}: {error['msg']}")
-    return "invalid request: " + "; ".join(parts)
 
 
 def _logprob_row(row: dict[int, Any] | None) -> dict[int, float] | None:

@@ -107,7 +107,7 @@ def write_safetensors(f: Any, tensors: list[tuple[str, str, list[int], list[np.n
     return 8 + len(raw) + offset
 
 
-IOV_MAX = 1024  # Linux's limit on the buffers of one writev
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers one writev takes (Linux: 1,024)
 
 
 def write_pieces(f: Any, pieces: list[memoryview]) -> None:

@@ -13,7 +13,8 @@
 #   dataset  bench_dataset, one replica, cases a b c (8; DATASET_ARGS adds, e.g. "--cases a b --prompts 2048")
 #   handle   bench_handle_path, bench_bandwidth's batch shape, no engine (2)
 #   sink     bench_sink_source: shards from a touched buffer, a fresh arena-like mapping, pieces beside a busy
-#            thread; then /dev/shm filled to 72 GB, batch by batch (2)
+#            thread; then /dev/shm filled to 72 GB, batch by batch, twice (the first pass into memory the VM
+#            has not touched lately, when it runs first on a fresh machine) (2.5)
 #   pinned   bench/gpu/pinned_source.py: shards from a mapping registered (and filled by the GPU) elsewhere (0.5)
 #   copies   bench/gpu/copy_paths.py: a bulk step's rows to host memory by kernel or copy engines (0.5)
 #   stall    bench/gpu/register_stall.py: what registering arena memory costs a step loop (0.3)
@@ -37,7 +38,7 @@ for part in "$@"; do
     dataset) step dataset python3 -m bench.bench_dataset --config llama8b --replicas 1 ${DATASET_ARGS:-} --out "$R" > "$R/dataset.log" 2>&1 ;;
     handle) step handle python3 -m bench.bench_handle_path --requests 32 --rows 527 --label llama8b_gpu_host --out "$R" \
               > "$R/handle.log" 2>&1 ;;
-    sink) step sink python3 -m bench.bench_sink_source --gb 8 --threads 4 --fill-gb 72 --label h200 --out "$R" > "$R/sink.log" 2>&1 ;;
+    sink) step sink python3 -m bench.bench_sink_source --gb 8 --threads 4 --fill-gb 72 --fill-passes 2 --label h200 --out "$R" > "$R/sink.log" 2>&1 ;;
     pinned) step pinned python3 bench/gpu/pinned_source.py --out "$R" > "$R/pinned.log" 2>&1 ;;
     copies) step copies python3 bench/gpu/copy_paths.py --out "$R" > "$R/copies.log" 2>&1 ;;
     stall) step stall python3 bench/gpu/register_stall.py --out "$R" > "$R/stall.log" 2>&1 ;;
