@@ -18,7 +18,8 @@
 #   pinned   bench/gpu/pinned_source.py: shards from a mapping registered (and filled by the GPU) elsewhere (0.5)
 #   copies   bench/gpu/copy_paths.py: a bulk step's rows to host memory by kernel or copy engines (0.5)
 #   stall    bench/gpu/register_stall.py: what registering arena memory costs a step loop (0.3)
-# Copy /tmp/results/* to $OUT in each poll, so a lost machine loses nothing already measured.
+# Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
+# measured; issue the polls back to back, with nothing between them.
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 R=${RESULTS:-/tmp/results}; mkdir -p "$R"
 step() { echo "$(date +%T) start $1" >> "$R/progress"; shift; "$@"; echo "$(date +%T) rc=$?" >> "$R/progress"; }
