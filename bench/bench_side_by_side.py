@@ -182,7 +182,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.workloads:
             workload = WORKLOADS[name]
             prompts = workload.prompt_ids(vocab=VOCAB)
-            submits = {PLAIN: plain_submit(plain, workload), PLAIN_AGAIN: plain_submit(plain, workload)} | {
+            plain_batch = plain_submit(plain, workload)  # one counter: request ids stay unique across both cases
+            submits = {PLAIN: plain_batch, PLAIN_AGAIN: plain_batch} | {
                 case: capserve_submit(engine, workload, extra) for case, (engine, extra) in cases.items()
             }
             for submit in submits.values():  # warm-up
