@@ -24,7 +24,9 @@ freed memory back to its host (free page reporting), a write into memory the gue
 lately pays a fault in the host and runs several times slower than one into pages just freed
 (`bench_sink_source --fill-passes`): the probe before the capture meets the memory as the machine
 left it, the capture meets the probe's pages just freed, the probe after meets the capture's.
-Case c's GB/s is reported against all three.
+Case c's GB/s is reported against all three. Per replica and run: the engine's steps and tokens
+per step (how full its steps ran), and the seconds from its last step to the run's end (the last
+shards' writes, which no engine work hid).
 
 Memory: a case's prompt count is capped so that its shards fit in `--sink-fill` of the sink
 folder's free space (the shards of each case are deleted before the next one), and a shard holds
@@ -43,13 +45,11 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from bench.bench_sink_source import sink_write_speed
 from bench.common import (
     CONFIGS,
     VOCAB,
@@ -117,67 +117,14 @@ def plan_case(case: Case, requested: int, sink_free: int, args: argparse.Namespa
 
 
 def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
-    """Requests the capture path keeps on the engines (remote.ShardSender's auto shards in flight
-    x each job's concurrency; the driver writer: --concurrency); plain prefill runs as many."""
+    """Requests the capture path keeps on the engines at most (remote.ShardSender's auto shards in
+    flight, widened to the replicas' sink.max_unwritten, x each job's concurrency; the driver
+    writer: --concurrency); plain prefill runs as many."""
     if args.sink == "driver":
         return args.concurrency
-    shards = min(max(2 * replicas, math.ceil(args.concurrency / plan.shard_lines)), math.ceil(plan.prompts / plan.shard_lines))
+    window = max(2 * replicas, math.ceil(args.concurrency / plan.shard_lines), replicas * max_unwritten(args))
+    shards = min(window, math.ceil(plan.prompts / plan.shard_lines))
     return shards * min(args.concurrency, plan.shard_lines, plan.prompts)
-
-
-# ---------------------------------------------------------------- the sink folder
-
-
-def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int, source: np.ndarray | None = None,
-                     piece_bytes: int | None = None, one_write_each: bool = False, by_batch: bool = False) -> dict[str, Any]:
-    """GB/s of shard-sized safetensors files written into `folder` by `threads` threads, through
-    the shard writer's own atomic write (temp name, fsync, rename); all kept until the last is
-    written, then deleted. The files hold one random buffer, or consecutive slices of `source`
-    (uint8) when given; each in one piece, or in pieces of `piece_bytes` as a shard holds its
-    lines' rows per hook, written by one write call each with `one_write_each` (the shard writer
-    before it wrote vectored). With `by_batch`, also each batch of `threads` files' GB/s and the
-    GB the folder held after it (`batches`): how the sink slows as it fills."""
-    from replicas.shard_files import write_safetensors
-    from replicas.shard_store import open_store
-
-    file_bytes = max(1 << 20, min(file_bytes, total_bytes // threads)) // 4 * 4
-    files = max(threads, total_bytes // file_bytes)
-    chunk = np.random.default_rng(0).integers(0, 255, file_bytes, dtype=np.uint8) if source is None else None
-    probe = folder / "write-probe"
-    store = open_store(probe)
-    store.mkdir()
-
-    def one(i: int) -> int:
-        if source is None:
-            data = chunk
-        else:
-            start = i * file_bytes % (len(source) - file_bytes + 1)
-            data = source[start : start + file_bytes]
-        step = piece_bytes or file_bytes
-        pieces = [data[at : at + step].view(np.int32) for at in range(0, file_bytes, step)]
-        tensors = [("x", "int32", [file_bytes // 4], pieces)]
-        return store.write_atomic(f"probe-{i:04d}.safetensors",
-                                  lambda f: write_safetensors(_OneWriteEach(f) if one_write_each else f, tensors, {}))
-
-    batches, written, per_batch = [], 0, threads if by_batch else files
-    started = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        for first in range(0, files, per_batch):
-            began = time.perf_counter()
-            in_batch = sum(pool.map(one, range(first, min(first + per_batch, files))))
-            written += in_batch
-            batches.append({"gb_held": written / 1e9, "gb_per_s": in_batch / (time.perf_counter() - began) / 1e9})
-    seconds = time.perf_counter() - started
-    shutil.rmtree(probe)
-    return {"folder": str(folder), "threads": threads, "files": files, "file_mb": file_bytes / 1e6,
-            "gb": written / 1e9, "seconds": seconds, "gb_per_s": written / seconds / 1e9} | ({"batches": batches} if by_batch else {})
-
-
-class _OneWriteEach:
-    """A file seen only through `write`: the shard writer then writes piece by piece."""
-
-    def __init__(self, f: Any) -> None:
-        self.write = f.write
 
 
 def write_prompts(path: Path, prompts: list[list[int]]) -> None:
@@ -220,8 +167,9 @@ async def _plain(made: Any, prompts: list[list[int]], clients: int) -> dict[str,
         await asyncio.gather(*(client() for _ in range(min(clients, len(prompts)))))
     finally:
         await made.close()
-    seconds = time.perf_counter() - started
-    return {"prompts": len(prompts), "in_flight": clients, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    seconds, ended_at = time.perf_counter() - started, time.time()
+    return {"prompts": len(prompts), "in_flight": clients, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "ended_at": ended_at}
 
 
 def capture_case(plan: Plan, source: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -241,11 +189,11 @@ def capture_case(plan: Plan, source: Path, out: Path, args: argparse.Namespace) 
 
     started = time.perf_counter()
     summary = asyncio.run(run())
-    seconds = time.perf_counter() - started
+    seconds, ended_at = time.perf_counter() - started, time.time()
     written = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"complete": summary.complete, "seconds": seconds, "lines": summary.captured, "rows": summary.rows,
             "shards": summary.shards_written, "retries": summary.retries, "per_replica": dict(summary.replicas),
-            "gb_written": written / 1e9, "gb_per_s": written / seconds / 1e9}
+            "gb_written": written / 1e9, "gb_per_s": written / seconds / 1e9, "ended_at": ended_at}
 
 
 def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argparse.Namespace, replicas: int) -> dict[str, Any]:
@@ -263,6 +211,7 @@ def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argpars
     plain = plain_prefill(prompts[: plan.prompts], clients)
     between = replica_stats(replicas)
     plain["replicas"] = stats_spent(before, between)
+    plain["after_last_step_s"] = after_last_step(plain)
     # the sink as this case uses it: as many bytes, in shard-sized files, all kept until the last
     volume, file_bytes = max(plan.bytes_expected, 1 << 20), plan.shard_lines * plan.case.bytes_per_line
     before_capture = sink_write_speed(work, args.sink_threads * replicas, volume, file_bytes)
@@ -272,6 +221,7 @@ def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argpars
     finally:
         shutil.rmtree(out, ignore_errors=True)  # the next case needs the space
     captured["replicas"] = stats_spent(between, replica_stats(replicas))
+    captured["after_last_step_s"] = after_last_step(captured)
     tokens = plan.prompts * args.prompt_len
     captured["tokens_per_s"] = tokens / captured["seconds"]
     at_volume = sink_write_speed(work, args.sink_threads * replicas, volume, file_bytes)
@@ -280,6 +230,12 @@ def measure_case(plan: Plan, prompts: list[list[int]], work: Path, args: argpars
             "plain": plain, "capture": captured, "ratio_vs_plain": captured["tokens_per_s"] / plain["tokens_per_s"],
             "sink_write_before": before_capture, "over_sink_before": captured["gb_per_s"] / before_capture["gb_per_s"],
             "sink_write_at_volume": at_volume, "over_sink_at_volume": captured["gb_per_s"] / at_volume["gb_per_s"]}
+
+
+def after_last_step(run: dict[str, Any]) -> float:
+    """Seconds from the engines' last step to the run's end: the last shards' writes (and the
+    driver's index and manifest) that no engine work hid."""
+    return run["ended_at"] - max(spent["last_step_at"] for spent in run["replicas"].values())
 
 
 def replica_stats(replicas: int, tries: int = 50) -> dict[str, dict[str, Any]]:
@@ -308,6 +264,8 @@ def stats_spent(before: dict[str, dict[str, Any]], after: dict[str, dict[str, An
         engine, engine_then = now["engine"], then["engine"]
         spent[name] = {
             "steps": engine["steps"] - engine_then["steps"],
+            "tokens": engine["tokens"] - engine_then["tokens"],
+            "last_step_at": engine["last_step_at"],
             "rows_captured": engine["rows_captured"] - engine_then["rows_captured"],
             "worker_s": {k: round(v - engine_then["seconds"].get(k, 0.0), 3) for k, v in engine["seconds"].items()},
             "arena_gb": engine.get("arena_bytes", 0) / 1e9,
@@ -328,7 +286,12 @@ def app_args(model: str, args: argparse.Namespace, replicas: int, shape: dict[st
             "replica_max_ongoing_requests": 1024,
             "drain_timeout_s": 10.0, "health_check_timeout_s": 120.0,
             "engine": {**dummy_engine_options(args.config, ["resid_post"]), "arena_reserve_bytes": reserve},
-            "sink": {"threads": args.sink_threads, "max_unwritten": args.sink_threads + 1}}
+            "sink": {"threads": args.sink_threads, "max_unwritten": max_unwritten(args)}}
+
+
+def max_unwritten(args: argparse.Namespace) -> int:
+    """Each replica's sink.max_unwritten: one shard more than its writers."""
+    return args.sink_threads + 1
 
 
 def wait_for_replicas(replicas: int, timeout_s: float = 900.0) -> None:
@@ -383,10 +346,11 @@ def _print_case(name: str, result: dict[str, Any]) -> None:
           f"{captured['tokens_per_s']:9.0f} tok/s ({result['ratio_vs_plain']:.3f}x), {captured['gb_written']:.3f} GB "
           f"in {captured['seconds']:.1f} s = {captured['gb_per_s']:.2f} GB/s; the sink at that volume "
           f"{result['sink_write_before']['gb_per_s']:.2f} GB/s before ({result['over_sink_before']:.2f}x of it), "
-          f"{result['sink_write_at_volume']['gb_per_s']:.2f} GB/s after ({result['over_sink_at_volume']:.2f}x)", flush=True)
+          f"{result['sink_write_at_volume']['gb_per_s']:.2f} GB/s after ({result['over_sink_at_volume']:.2f}x); after the "
+          f"engines' last step plain {plain['after_last_step_s']:.2f} s, capture {captured['after_last_step_s']:.2f} s", flush=True)
     for label, spent in (("plain", plain["replicas"]), ("capture", captured["replicas"])):
         for replica, used in spent.items():
-            print(f"    {label} {replica}: {used['steps']} steps, worker {used['worker_s']}, arena reads {used['reads']}, "
+            print(f"    {label} {replica}: {used['steps']} steps of {used['tokens'] / max(used['steps'], 1):.0f} tokens, worker {used['worker_s']}, arena reads {used['reads']}, "
                   f"sink {used['sink']}", flush=True)
 
 

@@ -21,12 +21,16 @@ phase it lands in: per request (admission, the tail) or per step (decode).
 
 Deployments and cases:
   z        hook_z armed (capture) at every layer, edits on z at the middle layer (`steer_layers`):
-           armed, unused | the same right after itself | hook_z at 1 layer, every position, bf16 |
+           armed, unused | the same right after itself | and after a 4 s pause (idle about as long as
+           plain's two batches at 32 requests) | hook_z at 1 layer, every position, bf16 |
            ablate 1 head at that layer;
            two cases split a capture's or edit's cost into per-request and per-step parts: hook_z
            at 1 layer for last_prompt (a plan, one row) | scale 1 head by 1.0 (an edit that
            changes nothing but runs every step); then armed, unused again, after the planned
-           batches (whether a cost comes with a batch's plans or stays with the engine after them)
+           batches (whether a cost comes with a batch's plans or stays with the engine after them),
+           and that after a 4 s pause
+  z-nographs  the z engine with `arena_graphs: false` (small decode steps' rows by the side stream):
+           armed, unused | hook_z at 1 layer, every position, bf16 | armed, unused, after the capture
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -49,6 +53,8 @@ from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, Workload, dummy_model_
 Submit = Callable[[list[int]], Awaitable[Any]]
 PLAIN = "plain vLLM, CUDA graphs"
 PLAIN_AGAIN = "plain vLLM, right after itself"
+DEFAULT_DEPLOYMENTS = ["z", "pattern"]
+PAUSE = "pause_s"  # a case's seconds of idle before its batch, not part of its requests
 
 
 def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
@@ -60,6 +66,8 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
         "hook_z armed, unused": {},
         # the same batch right after itself: a batch after the same engine's, no plan anywhere
         "hook_z armed, unused, right after itself": {},
+        # and after idle about as long as plain's two batches at 32 requests: the time between, not the other engine
+        "hook_z armed, unused, after a pause": {PAUSE: 4.0},
         "capture hook_z 1 layer, all positions (bf16)": {
             "capture": {"hooks": [f"blocks.{middle}.attn.hook_z"], "positions": "all", "dtype": "bfloat16"}
         },
@@ -74,12 +82,17 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
         },
         # the first case again, now after batches that carried plans: apart from the order, the same
         "hook_z armed, unused, after the planned cases": {},
+        "hook_z armed, unused, after the planned cases and a pause": {PAUSE: 4.0},
     }
     pattern_cases = {
         "hook_pattern (+ resid_post) armed, unused": {},
         "pattern 1 layer, last_prompt": {"capture": {"hooks": [f"blocks.{middle}.attn.hook_pattern"], "positions": "last_prompt"}},
     } | (sae["cases"] if sae else {})
-    return {"z": (z, z_cases), "pattern": (pattern, pattern_cases)}
+    capture = "capture hook_z 1 layer, all positions (bf16)"
+    # the z engine with small decode steps' arena writes by the side stream, not a graph replay:
+    # whether the graphs leave the engine slower after a capture
+    z_nographs_cases = {"hook_z armed, unused": {}, capture: z_cases[capture], "hook_z armed, unused, after the capture": {}}
+    return {"z": (z, z_cases), "z-nographs": (z | {"arena_graphs": False}, z_nographs_cases), "pattern": (pattern, pattern_cases)}
 
 
 async def batch(workload: Workload, submit: Submit, prompts: list[list[int]], times: "OutputTimes") -> dict[str, float]:
@@ -156,7 +169,7 @@ async def start_capserve(model: str, settings: dict[str, Any], fields: dict[str,
 
 
 def capserve_submit(engine: Any, workload: Workload, extra: dict[str, Any]) -> Submit:
-    base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | extra
+    base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | {k: v for k, v in extra.items() if k != PAUSE}
 
     async def submit(prompt: list[int]) -> Any:
         return await engine.generate(base | {"prompt": prompt})
@@ -194,6 +207,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for r in range(args.rounds):
                 for case, submit in submits.items():
                     engine = cases[case][0] if case in cases else None
+                    await asyncio.sleep(cases[case][1].get(PAUSE, 0.0) if engine else 0.0)
                     before = await engine.stats() if engine else None
                     timed = await batch(workload, submit, prompts, times[id(engine if engine else plain)])
                     rounds[case].append(timed["tok_per_s"])
@@ -201,7 +215,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         values.append(round(timed[phase] * 1e3, 2))
                     if engine:
                         worker[case].add(before, await engine.stats(), await engine.decode_periods())
-                    print(f"{name} round {r} {case}: {timed['tok_per_s']:.0f} tok/s; ms prefill {timed['prefill'] * 1e3:.1f}, "
+                    print(f"{time.strftime('%H:%M:%S')} {name} round {r} {case}: {timed['tok_per_s']:.0f} tok/s; ms prefill {timed['prefill'] * 1e3:.1f}, "
                           f"decode {timed['decode'] * 1e3:.1f}, after vLLM {timed['tail'] * 1e3:.1f}", flush=True)
             results[name] = summarize(rounds)
             for case, values in phases.items():
@@ -281,7 +295,7 @@ def main() -> None:
     parser.add_argument("--config", default="llama8b")
     parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--deployments", nargs="+", default=["z", "pattern"], choices=["z", "pattern"])
+    parser.add_argument("--deployments", nargs="+", default=DEFAULT_DEPLOYMENTS, choices=["z", "z-nographs", "pattern"])
     parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines)")
     parser.add_argument("--sae", action="store_true", help="also arm a TopK SAE and measure encoding")
     parser.add_argument("--sae-features", type=int, default=16384)
@@ -289,7 +303,8 @@ def main() -> None:
     args = parser.parse_args()
     results = asyncio.run(run(args))
     payload = {"config": args.config, "rounds": args.rounds, "results": results}
-    path = write_result(f"side_by_side_{args.config}", payload, args.out)
+    deployed = "" if args.deployments == DEFAULT_DEPLOYMENTS else "_" + "_".join(args.deployments)
+    path = write_result(f"side_by_side{deployed}_{args.config}", payload, args.out)
     for workload, cases in results.items():
         print(f"\n{workload}: first round / median of later rounds, vs plain; that median vs plain right after itself")
         for case, row in cases.items():

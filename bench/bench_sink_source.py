@@ -23,17 +23,19 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import shutil
 import statistics
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.bench_dataset import sink_write_speed
 from bench.common import write_result
 
 SOURCES = ("touched buffer", "fresh mapping (first touch)", "the same mapping again")
@@ -57,6 +59,58 @@ def busy_python() -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+
+
+def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: int, source: np.ndarray | None = None,
+                     piece_bytes: int | None = None, one_write_each: bool = False, by_batch: bool = False) -> dict[str, Any]:
+    """GB/s of shard-sized safetensors files written into `folder` by `threads` threads, through
+    the shard writer's own atomic write (temp name, fsync, rename); all kept until the last is
+    written, then deleted. The files hold one random buffer, or consecutive slices of `source`
+    (uint8) when given; each in one piece, or in pieces of `piece_bytes` as a shard holds its
+    lines' rows per hook, written by one write call each with `one_write_each` (the shard writer
+    before it wrote vectored). With `by_batch`, also each batch of `threads` files' GB/s and the
+    GB the folder held after it (`batches`): how the sink slows as it fills."""
+    from replicas.shard_files import write_safetensors
+    from replicas.shard_store import open_store
+
+    file_bytes = max(1 << 20, min(file_bytes, total_bytes // threads)) // 4 * 4
+    files = max(threads, total_bytes // file_bytes)
+    chunk = np.random.default_rng(0).integers(0, 255, file_bytes, dtype=np.uint8) if source is None else None
+    probe = folder / "write-probe"
+    store = open_store(probe)
+    store.mkdir()
+
+    def one(i: int) -> int:
+        if source is None:
+            data = chunk
+        else:
+            start = i * file_bytes % (len(source) - file_bytes + 1)
+            data = source[start : start + file_bytes]
+        step = piece_bytes or file_bytes
+        pieces = [data[at : at + step].view(np.int32) for at in range(0, file_bytes, step)]
+        tensors = [("x", "int32", [file_bytes // 4], pieces)]
+        return store.write_atomic(f"probe-{i:04d}.safetensors",
+                                  lambda f: write_safetensors(_OneWriteEach(f) if one_write_each else f, tensors, {}))
+
+    batches, written, per_batch = [], 0, threads if by_batch else files
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for first in range(0, files, per_batch):
+            began = time.perf_counter()
+            in_batch = sum(pool.map(one, range(first, min(first + per_batch, files))))
+            written += in_batch
+            batches.append({"gb_held": written / 1e9, "gb_per_s": in_batch / (time.perf_counter() - began) / 1e9})
+    seconds = time.perf_counter() - started
+    shutil.rmtree(probe)
+    return {"folder": str(folder), "threads": threads, "files": files, "file_mb": file_bytes / 1e6,
+            "gb": written / 1e9, "seconds": seconds, "gb_per_s": written / seconds / 1e9} | ({"batches": batches} if by_batch else {})
+
+
+class _OneWriteEach:
+    """A file seen only through `write`: the shard writer then writes piece by piece."""
+
+    def __init__(self, f: Any) -> None:
+        self.write = f.write
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     python -m bench.profile_step_loop --config llama8b --case z-capture --out DIR   # GPU host, ~3 min
     python -m bench.profile_step_loop --config llama8b --case bulk --out DIR
+    python -m bench.profile_step_loop --config llama8b --case z-armed --after z-capture --out DIR
     python -m bench.profile_step_loop --config tiny --case z-capture --first-step 40 --steps 20   # CPU check
 
 The engine starts with `step_profile` (replicas/step_profile.py) set to a window of steps past
@@ -11,7 +12,11 @@ and by total CPU time, with capserve's phases as `capserve.prepare` and `capserv
   z-armed, z-capture, z-ablate   the `bench_side_by_side` z engine's three cases (32 x (512 + 256))
   bulk                           `bench_bandwidth`'s capture: resid_post at every layer and position, bf16
                                  (64 x (512 + 16))
-The engine's step-loop timers (`stats`) go beside it, in step_profile_<case>.json.
+With `--after CASE` one batch of that case runs first on the same engine: on the H200 every batch
+after a one-layer capture ran ~3 % slower, plan or none, until plain vLLM's batch ran between
+(`bench_side_by_side`); the window of `--case z-armed --after z-capture` against `--case z-armed`
+says whether the GPU then waits for the step loop (idle share) or its kernels take longer.
+The engine's step-loop timers (`stats`) go beside it, in step_profile_<case>[_after_<case>].json.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
     prompts = workload.prompt_ids(vocab=VOCAB)
     before = set(out.glob("step_profile-*.txt"))
     try:
+        if args.after:  # the window then falls in the case's first batch (--first-step past this one's steps)
+            await asyncio.gather(*(capserve_submit(engine, workload, case_setup(args.after, args.config)[1])(p) for p in prompts))
+            print(f"a batch of {args.after} first: worker at step {(await engine.stats())['steps']}", flush=True)
         for batch in range(args.max_batches):
             started = time.perf_counter()
             await asyncio.gather(*(submit(p) for p in prompts))
@@ -66,7 +74,8 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
             print(f"batch {batch}: {time.perf_counter() - started:.2f} s, worker at step {stats['steps']}", flush=True)
             written = set(out.glob("step_profile-*.txt")) - before
             if written:
-                return {"case": args.case, "config": args.config, "window": window, "table": str(written.pop()), "stats": stats}
+                return {"case": args.case, "after": args.after, "config": args.config, "window": window,
+                        "table": str(written.pop()), "stats": stats}
         raise RuntimeError(f"the worker never reached step {args.first_step + args.steps} in {args.max_batches} batches")
     finally:
         await engine.shutdown()
@@ -76,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="llama8b", choices=CONFIGS)
     parser.add_argument("--case", default="z-capture", choices=[*Z_CASES, "bulk"])
+    parser.add_argument("--after", default=None, choices=list(Z_CASES), help="one batch of this case first (z cases)")
     parser.add_argument("--first-step", type=int, default=None,
                         help="past the warm-up batch's steps (default: 300; bulk, whose batches take ~32 steps, 100)")
     parser.add_argument("--steps", type=int, default=None, help="default: 100; bulk 64")
@@ -88,7 +98,7 @@ def main() -> None:
     args.first_step = args.first_step if args.first_step is not None else 100 if bulk else 300
     args.steps = args.steps if args.steps is not None else 64 if bulk else 100
     result = asyncio.run(profile(args))
-    path = Path(args.out) / f"step_profile_{args.case}.json"
+    path = Path(args.out) / f"step_profile_{args.case}{f'_after_{args.after}' if args.after else ''}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print(Path(result["table"]).read_text()[:6000])
     print(f"wrote {result['table']} and {path}")

@@ -95,6 +95,7 @@ class Collector:
         outbox: Outbox,
         max_step_bytes: int = MAX_STEP_BYTES,
         saes: dict[str, DeviceSae] | None = None,
+        arena_graphs: bool = True,
     ):
         self.runner = runner
         self.sites = sites
@@ -111,7 +112,8 @@ class Collector:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # a decode step's arena writes by one graph replay, where the device writes the arena
         writer = outbox.writer
-        self.arena_graphs = ArenaGraphs(writer, device) if writer is not None and writer.device.type == "cuda" else None
+        on_gpu = writer is not None and writer.device.type == "cuda"
+        self.arena_graphs = ArenaGraphs(writer, device) if arena_graphs and on_gpu else None
         self.saes = saes or {}
         self.sae_sites = {sites[sae.site] for sae in self.saes.values()}
         self.rows_captured = 0

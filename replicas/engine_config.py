@@ -110,6 +110,12 @@ class EngineConfig(BaseModel):
         "captured rows on a GPU: gathered whole (hooks x rows x width) for the copy engines, and freed as they "
         "reach host memory.",
     )
+    arena_graphs: bool = Field(
+        True,
+        description="On a GPU, a small decode step's captured rows go into the arena by one CUDA graph replay "
+        "(replicas/arena_graphs.py: a few CPU calls a step, not a dozen); off: by the side stream, as a large "
+        "step's do.",
+    )
     max_set_edits: int = Field(
         4, ge=1, le=64,
         description="Most `set` interventions one request may carry. Every steered site shares one values buffer "
@@ -240,6 +246,7 @@ class EngineConfig(BaseModel):
                 "arena_reserve_bytes": self.arena_reserve_bytes if self.arena_reserve_bytes is not None
                 else DEFAULT_ARENA_RESERVE_BYTES["cpu" if on_cpu else "gpu"],
                 "max_step_temp_bytes": self.max_step_temp_bytes,
+                "arena_graphs": self.arena_graphs,
                 "outbox_timeout_s": self.outbox_timeout_s,
                 "step_profile": self.step_profile.model_dump() if self.step_profile is not None else None,
                 "eager": eager,

@@ -95,6 +95,9 @@ class ShardIndex(BaseModel):
     rows: int = 0
     bytes_written: int = 0
     replicas: dict[str, int] = Field(default_factory=dict)
+    # the writing replica's sink.max_unwritten: how many shards it holds at once, captured or
+    # being written (the driver's auto window follows it; 0 from a replica that did not say)
+    slots: int = 0
 
 
 class RowsMismatch(ValueError):
@@ -206,6 +209,10 @@ class ShardSink:
         self.totals = {"shards": 0, "bytes": 0, "slot_wait_s": 0.0, "write_s": 0.0, "writing_s": 0.0, "minor_faults": 0}
         self._writing = threading.Lock()
 
+    @property
+    def slots(self) -> int:
+        return self._max_unwritten
+
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         if self._slots is None:
@@ -261,7 +268,7 @@ async def run_shard(job: ShardJob, generate: Generate, sink: ShardSink) -> Shard
     replicas = Counter(replica for _, replica in done if replica is not None)
     invalid = sum(1 for rows, _ in done if "error" in rows.record)
     return ShardIndex(shard=job.shard, captured=len(lines) - invalid, invalid=invalid, rows=sum(r.rows for r in lines),
-                      bytes_written=size, replicas=dict(replicas))
+                      bytes_written=size, replicas=dict(replicas), slots=sink.slots)
 
 
 async def _line(item: JobLine, job: ShardJob, generate: Generate) -> tuple[LineRows, str | None]:

@@ -67,12 +67,15 @@ class _CaptureState:
         self.collector = Collector(
             runner, self.sites, self.layout.vocab_size, self.device, self.outbox,
             max_step_bytes=int(options.get("max_step_temp_bytes", MAX_STEP_BYTES)),
+            arena_graphs=bool(options.get("arena_graphs", True)),
             saes=load_saes(options.get("saes"), self.device),  # SAE weights on the device (replicas.sae)
         )
         # results of the latest take RPC, kept until the next one says whether the replica got them
         self.delivered: dict[int, dict[str, list[dict[str, Any]]]] = {}
         self._batch: Batch | None = None
         self.steps = 0
+        self.tokens = 0  # scheduled over all steps: against steps, how full they ran
+        self.last_step_at = 0.0  # wall clock: what a caller waited for after the engine's last step
         self.seconds = {"prepare": 0.0, "collect": 0.0, "take": 0.0, "decode_period": 0.0}
         self.decode_periods = 0  # decode steps timed from the decode step before them
         self.recent_periods: deque[float] = deque(maxlen=RECENT_PERIODS)
@@ -105,6 +108,8 @@ class _CaptureState:
         """Admit the step's new requests and point the rows each request edits at its slots."""
         step = _vllm.step_layout(self.runner)
         self.steps += 1
+        self.tokens += step.num_tokens
+        self.last_step_at = time.time()
         self._time_decode(step, began)
         self._release_finished()
         batch = self._batch = self.table.batch(step, self._batch, self._admit)
@@ -212,6 +217,8 @@ class _CaptureState:
     def stats(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
+            "tokens": self.tokens,
+            "last_step_at": self.last_step_at,
             "rows_captured": self.collector.rows_captured,
             "steady_decode_steps": self.collector.steady_steps,
             "decode_periods": self.decode_periods,

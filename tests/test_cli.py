@@ -25,6 +25,7 @@ import pytest
 
 from bench.load import wait_engine_gone
 from provider.dataset.shards import Capture, finished_shards, load_capture
+from replicas.sink import SinkOptions
 
 pytestmark = pytest.mark.serve
 
@@ -210,6 +211,10 @@ def test_replica_sink_refuses_a_bad_job_as_the_callers_error(app, tmp_path):
         app.handle.capture_shard.remote(job).result(timeout_s=120)
     with pytest.raises(InvalidRequestError, match="job.d_model"):
         app.handle.capture_shard.remote({**job, "d_model": 0}).result(timeout_s=120)
+    # the same replica goes on; its answer says how many shards it holds at once (the CLI's window)
+    (tmp_path / "direct").mkdir()
+    index = app.handle.capture_shard.remote({**job, "folder": str(tmp_path / "direct")}).result(timeout_s=120)
+    assert index["captured"] == 1 and index["rows"] >= 1 and index["slots"] == SinkOptions().max_unwritten
     head = tmp_path / "head.jsonl"
     head.write_text('{"text": "hi"}\n')
     bad = subprocess.run([sys.executable, "-m", "provider.dataset.cli", "capture", str(head), "--out", str(tmp_path / "o"),

@@ -284,6 +284,9 @@ def test_repeated_decode_steps_skip_the_selection_and_capture_the_same_rows(loop
     periods = after["decode_periods"] - before["decode_periods"]
     period_s = after["seconds"]["decode_period"] - before["seconds"]["decode_period"]
     assert 14 <= periods <= 15 and 0 < period_s < elapsed
+    # every token the batch ran was scheduled in some step (2 x 36 prompt, 2 x 15 generated), the last step inside the batch
+    assert after["tokens"] - before["tokens"] == 2 * (36 + 15)
+    assert before["time"] < after["last_step_at"] < after["time"]
     recent = loop.run(engine.decode_periods())  # the same periods one by one, the latest last
     assert sum(recent[-periods:]) == pytest.approx(period_s * 1e6, rel=1e-3, abs=periods * 0.1)
     for result in results:

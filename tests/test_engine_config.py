@@ -80,3 +80,12 @@ def test_an_unverified_vllm_release_is_refused_unless_allowed(monkeypatch: pytes
     with pytest.raises(RuntimeError, match=r"vLLM 0.99.1 .* not a release .* allow_unverified_vllm: true"):
         _vllm.check_version(False)
     assert _vllm.check_version(True) == "0.99.1"
+
+
+def test_the_arena_graphs_switch_reaches_the_worker():
+    """`arena_graphs: false` (small decode steps' rows by the side stream, not a graph replay)
+    travels to the worker's options; on by default."""
+    options = EngineConfig(model="m").engine_args()["additional_config"]["capserve"]
+    assert options["arena_graphs"] is True
+    options = EngineConfig(model="m", arena_graphs=False).engine_args()["additional_config"]["capserve"]
+    assert options["arena_graphs"] is False

@@ -369,6 +369,49 @@ def test_a_cancelled_shard_job_ends_only_after_its_write_and_frees_its_slot(tmp_
     asyncio.run(cancel_mid_write())
 
 
+def test_the_auto_window_widens_to_the_shards_the_replicas_hold(tmp_path):
+    """The CLI starts with enough shard jobs for --concurrency (2 here), then keeps as many in
+    flight as the replica's answers say it holds (sink.max_unwritten 5): jobs being written count
+    until their shard is on disk, so the engine gets more lines meanwhile; never more than that."""
+    from replicas.sink import ShardSink
+
+    class Holding(FakeSinkBackend):
+        def __init__(self) -> None:
+            super().__init__(delay_s=0.002)
+            self.sink = ShardSink(threads=1, max_unwritten=5)
+            self.running = self.most_running = 0
+            self.most_before_an_answer = 0
+            self.answered = False
+
+        async def replicas(self) -> int:
+            return 1
+
+        async def run_shard(self, job):
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            if not self.answered:
+                self.most_before_an_answer = self.most_running
+            try:
+                await asyncio.sleep(0.05)
+                return await super().run_shard(job)
+            finally:
+                self.running -= 1
+                self.answered = True
+
+    texts = prompts(60)
+    source = write_lines(tmp_path / "in.txt", texts)
+    opts = options(sink="replica", concurrency=2, shard_lines=4)
+    backend = Holding()
+    summary = capture(source, tmp_path / "out", opts, backend)
+    assert summary.complete and summary.shards_written == 15
+    assert backend.most_before_an_answer == 2 and backend.most_running == 5
+    check_folder(tmp_path / "out", texts, opts)
+    # an explicit --shards-in-flight is kept as given
+    pinned = Holding()
+    capture(source, tmp_path / "pinned", options(sink="replica", concurrency=2, shard_lines=4, shards_in_flight=3), pinned)
+    assert pinned.most_running == 3
+
+
 def test_sink_choice():
     from provider.dataset.options import SinkUnreachable
     from provider.dataset.remote import choose_sink

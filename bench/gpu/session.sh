@@ -8,7 +8,10 @@
 #   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
 #   capture  the arena writer's and the capture tests alone, engines without Inductor (~2.5)
 #   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
+#   nographs bench_side_by_side, the z engine with arena_graphs off, 32 requests: armed, capture, armed after it (3)
 #   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
+#   after    bench.profile_step_loop for z-armed, then z-armed after one z-capture batch (2 x ~3)
+#   clocks   nvidia-smi samples the GPU's clocks, power and utilization every 250 ms from here on (clocks.csv)
 #   bw       bench_bandwidth --via engine-inplace serve (6; BW_VIAS picks)
 #   dataset  bench_dataset, one replica, cases a b c (8; DATASET_ARGS adds, e.g. "--cases a b --prompts 2048")
 #   handle   bench_handle_path, bench_bandwidth's batch shape, no engine (2)
@@ -31,10 +34,19 @@ for part in "$@"; do
     sbs) step sbs python3 -m bench.bench_side_by_side --config llama8b --deployments z --rounds 3 --out "$R" > "$R/sbs.log" 2>&1 ;;
     sbs32) step sbs32 python3 -m bench.bench_side_by_side --config llama8b --deployments z --workloads 32x512+256 \
              --rounds 3 --out "$R" > "$R/sbs32.log" 2>&1 ;;
+    nographs) step nographs python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs \
+                --workloads 32x512+256 --rounds 3 --out "$R" > "$R/nographs.log" 2>&1 ;;
     profile) for case in ${PROFILE_CASES:-z-capture z-ablate bulk}; do
                step "profile $case" python3 -m bench.profile_step_loop --config llama8b --case $case ${PROFILE_ARGS:-} --out "$R" \
                  > "$R/profile_$case.log" 2>&1
              done ;;
+    after) for after in "" z-capture; do
+             step "profile z-armed after ${after:-nothing}" python3 -m bench.profile_step_loop --config llama8b --case z-armed \
+               ${after:+--after $after} --out "$R" > "$R/profile_z-armed_after_${after:-nothing}.log" 2>&1
+           done ;;
+    clocks) nohup nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
+              --format=csv -lms 250 > "$R/clocks.csv" 2>&1 &
+            echo "$(date +%T) clocks sampled from here on" >> "$R/progress" ;;
     bw) step bw python3 -m bench.bench_bandwidth --config llama8b --via ${BW_VIAS:-engine-inplace serve} --out "$R" > "$R/bw.log" 2>&1 ;;
     dataset) step dataset python3 -m bench.bench_dataset --config llama8b --replicas 1 ${DATASET_ARGS:-} --out "$R" > "$R/dataset.log" 2>&1 ;;
     handle) step handle python3 -m bench.bench_handle_path --requests 32 --rows 527 --label llama8b_gpu_host --out "$R" \

@@ -77,7 +77,8 @@ def _capture_parser(commands: Any) -> None:
                           "the replicas), driver (this process), auto (default: replica when the app runs on this "
                           "node and --out is a local folder, else driver)")
     run.add_argument("--shards-in-flight", type=int, default=0,
-                     help="--sink replica: shards captured at once (default 0: 2 per replica, or enough for --concurrency)")
+                     help="--sink replica: shard jobs in flight, captured or being written (default 0: enough for "
+                          "--concurrency and 2 per replica, widened to what the replicas hold: sink.max_unwritten each)")
     run.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto", help="input format (default: by suffix/content)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 

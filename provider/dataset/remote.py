@@ -6,8 +6,10 @@ the driver path), sends each unfinished shard as one `ShardJob`, and keeps only 
 `ShardIndex` it gets back. Rows never come here. Resume, the manifest and `load_capture` are
 the driver path's: a shard is finished when its .safetensors file exists, whoever wrote it.
 
-At most `shards_in_flight` jobs run at once (auto: enough for `concurrency` lines, and at least
-two per replica the app has). A job that fails on its way (the queue full, no replica, a lost
+At most `shards_in_flight` jobs run at once (auto: enough for `concurrency` lines, at least two
+per replica the app has, and once the replicas answer as many as they hold at once, their
+`sink.max_unwritten` each: a job runs until its shard is written, and the engine captures the
+next shards meanwhile). A job that fails on its way (the queue full, no replica, a lost
 connection) is sent again with jittered backoff, at most `retries` times; a replica that dies
 mid-shard is retried by the Router, and since a shard is published atomically a retry never
 leaves half of one. `choose_sink` decides between this and the driver-side writer.
@@ -62,8 +64,9 @@ class ShardSender:
         self.summary = Summary()
         self.done = finished_shards(self.out)
         self.summary.shards_done_before = len(self.done)
-        wanted = options.shards_in_flight or max(2 * replicas, math.ceil(options.concurrency / options.shard_lines))
-        self._slots = asyncio.Semaphore(wanted)
+        self.replicas = replicas
+        self._window = options.shards_in_flight or max(2 * replicas, math.ceil(options.concurrency / options.shard_lines))
+        self._slots = asyncio.Semaphore(self._window)
 
     def already_done(self, line: int) -> bool:
         return line // self.options.shard_lines in self.done
@@ -94,6 +97,7 @@ class ShardSender:
     async def _shard(self, k: int, group: list[InputLine]) -> None:
         try:
             index = await self._with_retries(self._job(k, group))
+            self._widen(index.slots)
         finally:
             self._slots.release()
         blank = sum(1 for item in group if item.prompt is None)
@@ -106,6 +110,17 @@ class ShardSender:
         self.summary.replicas.update(index.replicas)
         self.done.add(k)
         self.progress.update(len(group), self.summary)
+
+    def _widen(self, replica_slots: int) -> None:
+        """With the auto window, as many jobs in flight as the replicas hold (sink.max_unwritten
+        each, as their answers say): a job counts here until its shard is written, and a window
+        sized for the lines to capture alone would leave an engine idle while its shards are written."""
+        wider = replica_slots * self.replicas
+        if self.options.shards_in_flight or wider <= self._window:
+            return
+        for _ in range(wider - self._window):
+            self._slots.release()
+        self._window = wider
 
     def _job(self, k: int, group: list[InputLine]) -> ShardJob:
         lines = [JobLine(line=item.line, id=item.id, request=self.options.engine_request(item.prompt))
