@@ -30,7 +30,9 @@ shards' writes, which no engine work hid).
 
 Memory: a case's prompt count is capped so that its shards fit in `--sink-fill` of the sink
 folder's free space (the shards of each case are deleted before the next one), and a shard holds
-about `--shard-gb` (replicas hold `--sink-threads` + 1 unwritten shards each); caps are reported. Each replica
+about `--shard-gb` (replicas hold `--sink-threads` + 1 unwritten shards each, and their arenas are
+reserved at start-up for that many shards' lines: an arena that grows mid-run holds up the step
+loop, as case c's did from 10 to 13.3 GB on the H200); caps are reported. Each replica
 count runs in its own process (a fresh Ray cluster, engines warm across the cases within it).
 Results merge into `<out>/dataset_<config>.json` (runs keyed by replica count).
 """
@@ -70,6 +72,7 @@ from bench.common import (
     wait_for_gpu_memory,
     write_runs,
 )
+from replicas.engine_config import DEFAULT_ARENA_RESERVE_BYTES
 
 CASES = ("a", "b", "c")
 MAX_SHARD_LINES = 1024  # the CLI's default --shard-lines
@@ -112,18 +115,29 @@ def plan_case(case: Case, requested: int, sink_free: int, args: argparse.Namespa
     fits = int(sink_free * args.sink_fill // case.bytes_per_line)
     prompts = max(1, min(requested, fits))
     capped = None if prompts == requested else f"lowered from {requested}: {args.sink_fill:.0%} of the sink's {sink_free / 1e9:.1f} GB free holds {fits}"
-    shard_lines = args.shard_lines or max(1, min(MAX_SHARD_LINES, int(args.shard_gb * 1e9 // case.bytes_per_line)))
-    return Plan(case, prompts, shard_lines, capped)
+    return Plan(case, prompts, shard_lines_for(case, args), capped)
+
+
+def shard_lines_for(case: Case, args: argparse.Namespace) -> int:
+    return args.shard_lines or max(1, min(MAX_SHARD_LINES, int(args.shard_gb * 1e9 // case.bytes_per_line)))
+
+
+def capture_options(plan: Plan, args: argparse.Namespace) -> Any:
+    from provider.dataset.options import CaptureOptions
+
+    return CaptureOptions(hooks=tuple(plan.case.hooks), positions=plan.case.positions, dtype=args.dtype, max_tokens=0,
+                          shard_lines=plan.shard_lines, concurrency=args.concurrency, sink=args.sink)
 
 
 def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
-    """Requests the capture path keeps on the engines at most (remote.ShardSender's auto shards in
-    flight, widened to the replicas' sink.max_unwritten, x each job's concurrency; the driver
-    writer: --concurrency); plain prefill runs as many."""
+    """Requests the capture path keeps on the engines at most (the CLI's shard window once the
+    replicas answered, x each job's concurrency; the driver writer: --concurrency); plain prefill
+    runs as many."""
+    from provider.dataset.remote import auto_window
+
     if args.sink == "driver":
         return args.concurrency
-    window = max(2 * replicas, math.ceil(args.concurrency / plan.shard_lines), replicas * max_unwritten(args))
-    shards = min(window, math.ceil(plan.prompts / plan.shard_lines))
+    shards = min(auto_window(capture_options(plan, args), replicas, max_unwritten(args)), math.ceil(plan.prompts / plan.shard_lines))
     return shards * min(args.concurrency, plan.shard_lines, plan.prompts)
 
 
@@ -174,11 +188,9 @@ async def _plain(made: Any, prompts: list[list[int]], clients: int) -> dict[str,
 
 def capture_case(plan: Plan, source: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One `capserve capture` run (cmd_capture's own calls), timed end to end."""
-    from provider.dataset.options import CaptureOptions
     from provider.dataset.run import run_capture
 
-    options = CaptureOptions(hooks=tuple(plan.case.hooks), positions=plan.case.positions, dtype=args.dtype, max_tokens=0,
-                             shard_lines=plan.shard_lines, concurrency=args.concurrency, sink=args.sink)
+    options = capture_options(plan, args)
     made = backend()
 
     async def run() -> Any:
@@ -279,14 +291,26 @@ def _hooks_text(hooks: list[str]) -> str:
     return hooks[0] if len(hooks) == 1 else f"blocks.0..{len(hooks) - 1}.hook_resid_post"
 
 
-def app_args(model: str, args: argparse.Namespace, replicas: int, shape: dict[str, int]) -> dict[str, Any]:
+def app_args(model: str, args: argparse.Namespace, replicas: int, shape: dict[str, int], reserve: int | None) -> dict[str, Any]:
     cap = shape["n_layers"] * (args.prompt_len + 1) * shape["d_model"] * 4  # every row, the largest dtype
-    reserve = None if args.arena_reserve_gb is None else int(args.arena_reserve_gb * 1e9)  # None: the engine's default
     return {"model": model, "device": args.device, "num_replicas": replicas, "max_capture_bytes": cap,
             "replica_max_ongoing_requests": 1024,
             "drain_timeout_s": 10.0, "health_check_timeout_s": 120.0,
             "engine": {**dummy_engine_options(args.config, ["resid_post"]), "arena_reserve_bytes": reserve},
             "sink": {"threads": args.sink_threads, "max_unwritten": max_unwritten(args)}}
+
+
+def arena_reserve(table: dict[str, Case], args: argparse.Namespace) -> int | None:
+    """Each replica's arena_reserve_bytes: --arena-reserve-gb, else with replica-side sinks room for
+    the lines of the shards a replica holds at once (sink.max_unwritten shards, the largest case's),
+    so that no run waits for the arena to grow; None (the engine's default) when that is less."""
+    if args.arena_reserve_gb is not None:
+        return int(args.arena_reserve_gb * 1e9)
+    if args.sink == "driver":
+        return None
+    held = max(max_unwritten(args) * min(shard_lines_for(table[name], args), args.prompts) * table[name].bytes_per_line
+               for name in args.cases)
+    return held if held > DEFAULT_ARENA_RESERVE_BYTES[args.device] else None
 
 
 def max_unwritten(args: argparse.Namespace) -> int:
@@ -319,7 +343,7 @@ def via_serve(model: str, args: argparse.Namespace, replicas: int, work: Path) -
     started = time.perf_counter()
     start_serve(num_cpus=2 + 2 * replicas if args.device == "cpu" else None)
     try:
-        serve.run(build_app(app_args(model, args, replicas, shape)), name="capserve", route_prefix="/")
+        serve.run(build_app(app_args(model, args, replicas, shape, arena_reserve(table, args))), name="capserve", route_prefix="/")
         wait_for_replicas(replicas)
         out["boot_s"] = time.perf_counter() - started
         out["sink_write"] = sink_write_speed(work, args.sink_threads * replicas, int(args.probe_gb * 1e9),
@@ -431,7 +455,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="each replica's shard writers (args sink.threads; the write probe uses as many per replica)")
     parser.add_argument("--sink-fill", type=float, default=0.5, help="fraction of the sink's free space a case may fill")
     parser.add_argument("--arena-reserve-gb", type=float, default=None,
-                        help="each replica's arena reserved at start-up (engine arena_reserve_bytes; default the engine's)")
+                        help="each replica's arena reserved at start-up (engine arena_reserve_bytes; default: with --sink replica, "
+                             "room for sink.max_unwritten shards of the largest case's lines when that exceeds the engine's default)")
     parser.add_argument("--concurrency", type=int, default=64, help="capserve capture --concurrency")
     parser.add_argument("--shard-lines", type=int, default=0, help="lines per shard (default 0: about --shard-gb, at most 1024)")
     parser.add_argument("--shard-gb", type=float, default=2.0, help="target shard size when --shard-lines is 0")

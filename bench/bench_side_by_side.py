@@ -17,7 +17,9 @@ step to the next (`decode_period`), in microseconds; and per round the
 batch's phases in milliseconds (`ms_per_phase`): until every request had its first output
 (admission, prefill), from then to vLLM's last final output (decode), and after it (the take RPC,
 reading results: a batch of requests finishing together pays it once). A case's cost shows in the
-phase it lands in: per request (admission, the tail) or per step (decode).
+phase it lands in: per request (admission, the tail) or per step (decode). Per batch also the CPU
+the engine's step loop (its engine core's main thread) and the driver's event loop ran on before
+and after, and their context switches during it (`cpus`); `--pin` gives each a core of its own.
 
 Deployments and cases:
   z        hook_z armed (capture) at every layer, edits on z at the middle layer (`steer_layers`):
@@ -30,7 +32,8 @@ Deployments and cases:
            batches (whether a cost comes with a batch's plans or stays with the engine after them),
            and that after a 4 s pause
   z-nographs  the z engine with `arena_graphs: false` (small decode steps' rows by the side stream):
-           armed, unused | hook_z at 1 layer, every position, bf16 | armed, unused, after the capture
+           armed, unused | hook_z at 1 layer, every position, bf16 | armed, unused, after the capture |
+           that after 4 s of matrix products on the GPU by this process (a CUDA context of its own)
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -48,6 +51,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
+from bench.cpu_placement import pin, placement
 from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, Workload, dummy_model_folder, engine_settings, model_shape, write_result
 
 Submit = Callable[[list[int]], Awaitable[Any]]
@@ -55,6 +59,7 @@ PLAIN = "plain vLLM, CUDA graphs"
 PLAIN_AGAIN = "plain vLLM, right after itself"
 DEFAULT_DEPLOYMENTS = ["z", "pattern"]
 PAUSE = "pause_s"  # a case's seconds of idle before its batch, not part of its requests
+BURST = "gpu_burst_s"  # a case's seconds of GPU work by this process (a CUDA context of its own) before its batch
 
 
 def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
@@ -91,7 +96,10 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
     capture = "capture hook_z 1 layer, all positions (bf16)"
     # the z engine with small decode steps' arena writes by the side stream, not a graph replay:
     # whether the graphs leave the engine slower after a capture
-    z_nographs_cases = {"hook_z armed, unused": {}, capture: z_cases[capture], "hook_z armed, unused, after the capture": {}}
+    z_nographs_cases = {"hook_z armed, unused": {}, capture: z_cases[capture], "hook_z armed, unused, after the capture": {},
+                        # the engine stays slow after a capture until plain vLLM's batches run on the GPU: does any
+                        # other process's GPU work (as long as plain's two batches) bring it back?
+                        "hook_z armed, unused, after the capture and another process's GPU work": {BURST: 4.0}}
     return {"z": (z, z_cases), "z-nographs": (z | {"arena_graphs": False}, z_nographs_cases), "pattern": (pattern, pattern_cases)}
 
 
@@ -169,7 +177,7 @@ async def start_capserve(model: str, settings: dict[str, Any], fields: dict[str,
 
 
 def capserve_submit(engine: Any, workload: Workload, extra: dict[str, Any]) -> Submit:
-    base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | {k: v for k, v in extra.items() if k != PAUSE}
+    base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | {k: v for k, v in extra.items() if k not in (PAUSE, BURST)}
 
     async def submit(prompt: list[int]) -> Any:
         return await engine.generate(base | {"prompt": prompt})
@@ -190,6 +198,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         engines[name] = await start_capserve(model, settings, fields)
         cases.update({f"{name}: {case}": (engines[name], extra) for case, extra in deployment_cases.items()})
     times = {id(plain): OutputTimes(plain)} | {id(engine): OutputTimes(engine.llm) for engine in engines.values()}
+    from replicas import _vllm
+
+    core_pid = {id(plain): _vllm.engine_core_pids(plain)[0]} | {id(engine): engine.engine_pids()[0] for engine in engines.values()}
+    if args.pin:
+        print(f"pinned (pid: core): {pin([os.getpid(), *core_pid.values()])}", flush=True)
     results: dict[str, Any] = {}
     try:
         for name in args.workloads:
@@ -204,22 +217,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             rounds: dict[str, list[float]] = {case: [] for case in submits}
             phases: dict[str, dict[str, list[float]]] = {case: {"prefill": [], "decode": [], "tail": []} for case in submits}
             worker = {case: WorkerTime() for case in cases}
+            cpus: dict[str, list[dict[str, Any]]] = {case: [] for case in submits}
             for r in range(args.rounds):
                 for case, submit in submits.items():
                     engine = cases[case][0] if case in cases else None
                     await asyncio.sleep(cases[case][1].get(PAUSE, 0.0) if engine else 0.0)
+                    gpu_burst(cases[case][1].get(BURST, 0.0) if engine else 0.0)
                     before = await engine.stats() if engine else None
+                    step_loop = core_pid[id(engine if engine else plain)]
+                    placed = {"engine": placement(step_loop), "driver": placement(os.getpid())}
                     timed = await batch(workload, submit, prompts, times[id(engine if engine else plain)])
+                    cpus[case].append(moved(placed, {"engine": placement(step_loop), "driver": placement(os.getpid())}))
                     rounds[case].append(timed["tok_per_s"])
                     for phase, values in phases[case].items():
                         values.append(round(timed[phase] * 1e3, 2))
                     if engine:
                         worker[case].add(before, await engine.stats(), await engine.decode_periods())
                     print(f"{time.strftime('%H:%M:%S')} {name} round {r} {case}: {timed['tok_per_s']:.0f} tok/s; ms prefill {timed['prefill'] * 1e3:.1f}, "
-                          f"decode {timed['decode'] * 1e3:.1f}, after vLLM {timed['tail'] * 1e3:.1f}", flush=True)
+                          f"decode {timed['decode'] * 1e3:.1f}, after vLLM {timed['tail'] * 1e3:.1f}; cpus {cpus[case][-1]}", flush=True)
             results[name] = summarize(rounds)
             for case, values in phases.items():
                 results[name][case]["ms_per_phase"] = values
+                results[name][case]["cpus"] = cpus[case]
             for case, time_spent in worker.items():
                 results[name][case]["worker_us_per_step"] = time_spent.per_step()
             gc.collect()
@@ -228,6 +247,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await engine.shutdown()
         plain.shutdown()
     return results
+
+
+def gpu_burst(seconds: float) -> None:
+    """Matrix products for `seconds` on this process's GPU (its own CUDA context), or its CPU."""
+    if seconds <= 0:
+        return
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    a = torch.randn(8192 if on_gpu else 512, 8192 if on_gpu else 512, device="cuda" if on_gpu else "cpu",
+                    dtype=torch.bfloat16 if on_gpu else torch.float32)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a = (a @ a).clamp_(-1, 1)
+        if on_gpu:
+            torch.cuda.synchronize()
+
+
+def moved(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """The CPUs the engine's step loop and the driver's event loop were on before and after a batch,
+    and the context switches each had during it."""
+    return {f"{who}_{key}": (f"{b['cpu']}->{after[who]['cpu']}" if key == "cpu" else after[who][key] - b[key])
+            for who, b in before.items() for key in b}
 
 
 class WorkerTime:
@@ -299,11 +342,13 @@ def main() -> None:
     parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines)")
     parser.add_argument("--sae", action="store_true", help="also arm a TopK SAE and measure encoding")
     parser.add_argument("--sae-features", type=int, default=16384)
+    parser.add_argument("--pin", action="store_true",
+                        help="each engine core's step loop and the driver's event loop on a core of their own (Linux)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = parser.parse_args()
     results = asyncio.run(run(args))
-    payload = {"config": args.config, "rounds": args.rounds, "results": results}
-    deployed = "" if args.deployments == DEFAULT_DEPLOYMENTS else "_" + "_".join(args.deployments)
+    payload = {"config": args.config, "rounds": args.rounds, "pinned": args.pin, "results": results}
+    deployed = ("" if args.deployments == DEFAULT_DEPLOYMENTS else "_" + "_".join(args.deployments)) + ("_pinned" if args.pin else "")
     path = write_result(f"side_by_side{deployed}_{args.config}", payload, args.out)
     for workload, cases in results.items():
         print(f"\n{workload}: first round / median of later rounds, vs plain; that median vs plain right after itself")

@@ -100,7 +100,8 @@ class EngineConfig(BaseModel):
         "registered with CUDA, in one piece), so a first large capture runs as fast as later ones and a step's "
         "rows go into it by the fewest copies; it keeps this much when idle and grows past it as needed, up to "
         "arena_max_bytes (on a GPU registering new memory holds up the step loop a little). For N large captures "
-        "at once: N x replicas.arena.capture_arena_bytes(hooks, rows, row bytes, d_model). Default: 1 GiB on a "
+        "at once: N x replicas.arena.capture_arena_bytes(hooks, rows, row bytes, d_model); for `capserve capture` "
+        "with replica-side sinks, the lines of sink.max_unwritten shards. Default: 1 GiB on a "
         "GPU, 64 MiB on the CPU engine.",
     )
     max_step_temp_bytes: int = Field(

@@ -410,6 +410,10 @@ def test_the_auto_window_widens_to_the_shards_the_replicas_hold(tmp_path):
     pinned = Holding()
     capture(source, tmp_path / "pinned", options(sink="replica", concurrency=2, shard_lines=4, shards_in_flight=3), pinned)
     assert pinned.most_running == 3
+    # the formula the benchmark sizes its plain baseline with: two per replica, --concurrency's lines, the replicas' slots
+    from provider.dataset.remote import auto_window
+
+    assert [auto_window(opts, 3), auto_window(options(concurrency=64, shard_lines=4), 1), auto_window(opts, 2, 5)] == [6, 16, 10]
 
 
 def test_sink_choice():

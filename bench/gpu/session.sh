@@ -8,7 +8,9 @@
 #   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
 #   capture  the arena writer's and the capture tests alone, engines without Inductor (~2.5)
 #   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
-#   nographs bench_side_by_side, the z engine with arena_graphs off, 32 requests: armed, capture, armed after it (3)
+#   nographs bench_side_by_side, the z engine with arena_graphs off, 32 requests: armed, capture, armed after it,
+#            and after another process's GPU work (3.5)
+#   pin      nographs with each engine core's step loop and the driver's event loop on a core of their own (3.5)
 #   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
 #   after    bench.profile_step_loop for z-armed, then z-armed after one z-capture batch (2 x ~3)
 #   clocks   nvidia-smi samples the GPU's clocks, power and utilization every 250 ms from here on (clocks.csv)
@@ -36,6 +38,8 @@ for part in "$@"; do
              --rounds 3 --out "$R" > "$R/sbs32.log" 2>&1 ;;
     nographs) step nographs python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs \
                 --workloads 32x512+256 --rounds 3 --out "$R" > "$R/nographs.log" 2>&1 ;;
+    pin) step pin python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs --pin \
+           --workloads 32x512+256 --rounds 3 --out "$R" > "$R/pin.log" 2>&1 ;;
     profile) for case in ${PROFILE_CASES:-z-capture z-ablate bulk}; do
                step "profile $case" python3 -m bench.profile_step_loop --config llama8b --case $case ${PROFILE_ARGS:-} --out "$R" \
                  > "$R/profile_$case.log" 2>&1

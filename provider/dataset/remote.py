@@ -53,6 +53,16 @@ def shards_of(lines: Iterator[InputLine], shard_lines: int) -> Iterator[tuple[in
         yield k, list(group)
 
 
+def auto_window(options: CaptureOptions, replicas: int, replica_slots: int = 0) -> int:
+    """Shard jobs in flight at once: `shards_in_flight` when set; else enough for `concurrency`
+    lines, at least two per replica, and once the replicas answer, as many as they hold at once
+    (`replica_slots`, their sink.max_unwritten, each): a job counts until its shard is written,
+    and a window sized for the lines to capture alone would leave an engine idle meanwhile."""
+    if options.shards_in_flight:
+        return options.shards_in_flight
+    return max(2 * replicas, math.ceil(options.concurrency / options.shard_lines), replica_slots * replicas)
+
+
 class ShardSender:
     """One run over one input, each unfinished shard captured and written by a replica."""
 
@@ -65,7 +75,7 @@ class ShardSender:
         self.done = finished_shards(self.out)
         self.summary.shards_done_before = len(self.done)
         self.replicas = replicas
-        self._window = options.shards_in_flight or max(2 * replicas, math.ceil(options.concurrency / options.shard_lines))
+        self._window = auto_window(options, replicas)
         self._slots = asyncio.Semaphore(self._window)
 
     def already_done(self, line: int) -> bool:
@@ -112,11 +122,9 @@ class ShardSender:
         self.progress.update(len(group), self.summary)
 
     def _widen(self, replica_slots: int) -> None:
-        """With the auto window, as many jobs in flight as the replicas hold (sink.max_unwritten
-        each, as their answers say): a job counts here until its shard is written, and a window
-        sized for the lines to capture alone would leave an engine idle while its shards are written."""
-        wider = replica_slots * self.replicas
-        if self.options.shards_in_flight or wider <= self._window:
+        """The window once a replica said how many shards it holds (`auto_window`); it never narrows."""
+        wider = auto_window(self.options, self.replicas, replica_slots)
+        if wider <= self._window:
             return
         for _ in range(wider - self._window):
             self._slots.release()
