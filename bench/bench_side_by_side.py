@@ -31,7 +31,8 @@ Deployments and cases:
            changes nothing but runs every step); then armed, unused again, after the planned
            batches (whether a cost comes with a batch's plans or stays with the engine after them),
            and that after a 4 s pause
-  z-nographs  the z engine with `arena_graphs: false` (small decode steps' rows by the side stream):
+  z-nographs  the z engine with `arena_graphs: false` (small decode steps' rows by the side stream) and
+           `forward_timing` (each decode step's model call timed on the host and the device):
            armed, unused | hook_z at 1 layer, every position, bf16 | armed, unused, after the capture |
            that after 4 s of matrix products on the GPU by this process (a CUDA context of its own)
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
@@ -100,7 +101,8 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
                         # the engine stays slow after a capture until plain vLLM's batches run on the GPU: does any
                         # other process's GPU work (as long as plain's two batches) bring it back?
                         "hook_z armed, unused, after the capture and another process's GPU work": {BURST: 4.0}}
-    return {"z": (z, z_cases), "z-nographs": (z | {"arena_graphs": False}, z_nographs_cases), "pattern": (pattern, pattern_cases)}
+    return {"z": (z, z_cases), "z-nographs": (z | {"arena_graphs": False, "forward_timing": True}, z_nographs_cases),
+            "pattern": (pattern, pattern_cases)}
 
 
 async def batch(workload: Workload, submit: Submit, prompts: list[list[int]], times: "OutputTimes") -> dict[str, float]:
@@ -224,6 +226,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     await asyncio.sleep(cases[case][1].get(PAUSE, 0.0) if engine else 0.0)
                     gpu_burst(cases[case][1].get(BURST, 0.0) if engine else 0.0)
                     before = await engine.stats() if engine else None
+                    if engine:
+                        await engine.forward_times()  # drained: the next call holds this batch's steps
                     step_loop = core_pid[id(engine if engine else plain)]
                     placed = {"engine": placement(step_loop), "driver": placement(os.getpid())}
                     timed = await batch(workload, submit, prompts, times[id(engine if engine else plain)])
@@ -232,7 +236,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     for phase, values in phases[case].items():
                         values.append(round(timed[phase] * 1e3, 2))
                     if engine:
-                        worker[case].add(before, await engine.stats(), await engine.decode_periods())
+                        worker[case].add(before, await engine.stats(), await engine.decode_periods(), await engine.forward_times())
                     print(f"{time.strftime('%H:%M:%S')} {name} round {r} {case}: {timed['tok_per_s']:.0f} tok/s; ms prefill {timed['prefill'] * 1e3:.1f}, "
                           f"decode {timed['decode'] * 1e3:.1f}, after vLLM {timed['tail'] * 1e3:.1f}; cpus {cpus[case][-1]}", flush=True)
             results[name] = summarize(rounds)
@@ -282,19 +286,24 @@ class WorkerTime:
         self.decode_periods = 0
         self.seconds: dict[str, float] = {}
         self.periods_us: list[float] = []
+        self.forward_us: dict[str, list[float]] = {"host": [], "device": []}
 
-    def add(self, before: dict[str, Any], after: dict[str, Any], recent_us: list[float]) -> None:
+    def add(self, before: dict[str, Any], after: dict[str, Any], recent_us: list[float], forward_us: dict[str, list[float]]) -> None:
         self.steps += after["steps"] - before["steps"]
         new = after["decode_periods"] - before["decode_periods"]
         self.decode_periods += new
         for phase in ("prepare", "collect", "decode_period"):
             self.seconds[phase] = self.seconds.get(phase, 0.0) + after["seconds"][phase] - before["seconds"][phase]
         self.periods_us += recent_us[len(recent_us) - min(new, len(recent_us)):]  # this batch's
+        for where, values in forward_us.items():
+            self.forward_us[where] += values
 
     def per_step(self) -> dict[str, float]:
         """Microseconds a step: prepare and collect over every step; `decode_period` (from one
         decode step's start to the next's) over the decode steps that followed one, its mean and
-        quantiles (a shift of every step, or a few long ones)."""
+        quantiles (a shift of every step, or a few long ones). With the engine's
+        `forward_timing`, the decode steps' model call on the host and the device, p50
+        (`forward_host_p50`, `forward_device_p50`): whether a slower period lies in the forward."""
         seconds = dict(self.seconds)
         period = seconds.pop("decode_period", 0.0) / max(self.decode_periods, 1)
         quantiles = {}
@@ -302,6 +311,9 @@ class WorkerTime:
             p50, p90, p99 = np.percentile(self.periods_us, [50, 90, 99])
             quantiles = {"decode_period_p50": p50, "decode_period_p90": p90, "decode_period_p99": p99,
                          "decode_period_max": max(self.periods_us)}
+        for where, values in self.forward_us.items():
+            if values:
+                quantiles[f"forward_{where}_p50"] = float(np.percentile(values, 50))
         return ({phase: value / max(self.steps, 1) * 1e6 for phase, value in seconds.items()}
                 | {"decode_period": period * 1e6} | quantiles)
 

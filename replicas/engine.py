@@ -152,6 +152,12 @@ class CaptureEngine:
         periods = await self.llm.collective_rpc("capserve_decode_periods", timeout=timeout_s)
         return periods[0]
 
+    async def forward_times(self, timeout_s: float = 30.0) -> dict[str, list[float]]:
+        """Decode steps' model-call times in microseconds since the last call, on the host and the
+        device (engine option `forward_timing`; empty lists when off)."""
+        times = await self.llm.collective_rpc("capserve_forward_times", timeout=timeout_s)
+        return times[0]
+
     @property
     def arena_reads(self) -> dict[str, float]:
         """What results took from the arena: bytes viewed in place, bytes copied out, seconds copying."""

@@ -117,6 +117,12 @@ class EngineConfig(BaseModel):
         "(replicas/arena_graphs.py: a few CPU calls a step, not a dozen); off: by the side stream, as a large "
         "step's do.",
     )
+    forward_timing: bool = Field(
+        False,
+        description="Time each decode step's model call on the host and, on a GPU, by CUDA events on the device "
+        "(replicas/forward_timing.py; `CaptureEngine.forward_times`): where a slower step's time goes, without a "
+        "profiler. Costs two event records a decode step.",
+    )
     max_set_edits: int = Field(
         4, ge=1, le=64,
         description="Most `set` interventions one request may carry. Every steered site shares one values buffer "
@@ -248,6 +254,7 @@ class EngineConfig(BaseModel):
                 else DEFAULT_ARENA_RESERVE_BYTES["cpu" if on_cpu else "gpu"],
                 "max_step_temp_bytes": self.max_step_temp_bytes,
                 "arena_graphs": self.arena_graphs,
+                "forward_timing": self.forward_timing,
                 "outbox_timeout_s": self.outbox_timeout_s,
                 "step_profile": self.step_profile.model_dump() if self.step_profile is not None else None,
                 "eager": eager,

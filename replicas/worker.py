@@ -39,6 +39,7 @@ from replicas.outbox import DEAD, Outbox, RequestBuffers
 from replicas.plans import PLAN_KEY
 from replicas.request_table import UNPLANNED, Batch, Entry, RequestTable
 from replicas.sae import load_saes
+from replicas.forward_timing import ForwardTimes
 from replicas.step_profile import StepProfiler
 
 RECENT_PERIODS = 4096  # decode periods kept for their spread (`capserve_decode_periods`)
@@ -81,6 +82,7 @@ class _CaptureState:
         self.recent_periods: deque[float] = deque(maxlen=RECENT_PERIODS)
         self._decode_began: float | None = None
         self.profiler = StepProfiler.maybe(options, on_gpu=self.device.type == "cuda")
+        self.forward_times = ForwardTimes(on_gpu=self.device.type == "cuda") if options.get("forward_timing") else None
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
 
     @contextmanager
@@ -98,8 +100,12 @@ class _CaptureState:
             self.profiler.at_step(self.steps)
         with self._timed("prepare"):
             self._prepare(began)
+        if self.forward_times is not None and self._decode_began is not None:  # a decode step
+            self.forward_times.begin()
 
     def after_step(self) -> None:
+        if self.forward_times is not None:
+            self.forward_times.end()
         with self._timed("collect"):
             if self._batch is not None and self.table.requests:
                 self.collector.collect(self._batch, self.table)
@@ -267,6 +273,11 @@ class _CaptureWorkerMixin:
     def capserve_decode_periods(self) -> list[float]:
         """The latest decode periods (`RECENT_PERIODS` at most), oldest first, in microseconds."""
         return [round(seconds * 1e6, 1) for seconds in self.capserve_state.recent_periods]
+
+    def capserve_forward_times(self) -> dict[str, list[float]]:
+        """Decode steps' model-call times since the last call (`replicas.forward_timing`); empty when off."""
+        times = self.capserve_state.forward_times
+        return times.drain() if times is not None else {"host": [], "device": []}
 
     def capserve_attention(self) -> list[dict[str, Any]]:
         """Each layer's attention geometry (`_vllm.AttentionGeometry`), for patterns on the replica."""

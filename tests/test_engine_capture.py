@@ -13,7 +13,7 @@ import pytest
 from replicas.errors import InvalidRequestError
 from replicas.hooks import LAYER_KINDS, FINAL_NORM_HOOK
 from replicas.lifeline import OWNER_FILE
-from tests.conftest import ACTIVATION_TOL, ARCHS, MAX_NUM_BATCHED_TOKENS, assert_close
+from tests.conftest import ACTIVATION_TOL, ARCHS, MAX_NUM_BATCHED_TOKENS, ON_GPU, assert_close
 from tests.hf_reference import hf_activations
 
 pytestmark = pytest.mark.engine
@@ -271,6 +271,7 @@ def test_repeated_decode_steps_skip_the_selection_and_capture_the_same_rows(loop
     requests = [{"prompt": prompt_ids(36, seed), "max_tokens": 16, "temperature": 0, "ignore_eos": True, "capture": capture}
                 for seed in (31, 32)]
     before = loop.run(engine.stats())
+    loop.run(engine.forward_times())  # drained: the next call holds this batch's decode steps
 
     async def both():
         return await asyncio.gather(*(engine.generate(r) for r in requests))
@@ -289,6 +290,12 @@ def test_repeated_decode_steps_skip_the_selection_and_capture_the_same_rows(loop
     assert before["time"] < after["last_step_at"] < after["time"]
     recent = loop.run(engine.decode_periods())  # the same periods one by one, the latest last
     assert sum(recent[-periods:]) == pytest.approx(period_s * 1e6, rel=1e-3, abs=periods * 0.1)
+    # each decode step's model call (forward_timing): a period's step and the first of each run of decode
+    # steps, every call a part of its step's period
+    forward = loop.run(engine.forward_times())
+    assert periods < len(forward["host"]) <= periods + 2 and len(forward["device"]) == (len(forward["host"]) if ON_GPU else 0)
+    assert min(forward["host"]) > 0 and sum(sorted(forward["host"])[:periods]) < period_s * 1e6
+    assert loop.run(engine.forward_times()) == {"host": [], "device": []}  # drained
     for result in results:
         assert len(result.positions) == 36 + 15
         prefilled = loop.run(engine.generate({"prompt": result.capture_token_ids, "max_tokens": 1, "temperature": 0,

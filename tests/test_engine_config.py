@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,20 @@ def test_the_arena_graphs_switch_reaches_the_worker():
     assert options["arena_graphs"] is True
     options = EngineConfig(model="m", arena_graphs=False).engine_args()["additional_config"]["capserve"]
     assert options["arena_graphs"] is False
+
+
+def test_forward_timing_is_off_unless_asked_and_times_only_the_calls_it_began():
+    from replicas.forward_timing import ForwardTimes
+
+    assert EngineConfig(model="m").engine_args()["additional_config"]["capserve"]["forward_timing"] is False
+    assert EngineConfig(model="m", forward_timing=True).engine_args()["additional_config"]["capserve"]["forward_timing"] is True
+    times = ForwardTimes(on_gpu=False)
+    times.end()  # a step that began no timing (not a decode step)
+    for seconds in (0.002, 0.004):
+        times.begin()
+        time.sleep(seconds)
+        times.end()
+    drained = times.drain()
+    assert drained["device"] == [] and len(drained["host"]) == 2
+    assert drained["host"][0] >= 2000 and drained["host"][1] >= 4000
+    assert times.drain() == {"host": [], "device": []}

@@ -8,8 +8,8 @@
 #   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
 #   capture  the arena writer's and the capture tests alone, engines without Inductor (~2.5)
 #   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
-#   nographs bench_side_by_side, the z engine with arena_graphs off, 32 requests: armed, capture, armed after it,
-#            and after another process's GPU work (3.5)
+#   nographs bench_side_by_side, the z engine with arena_graphs off and forward_timing on, 32 requests: armed,
+#            capture, armed after it, and after another process's GPU work (3.5)
 #   pin      nographs with each engine core's step loop and the driver's event loop on a core of their own (3.5)
 #   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
 #   after    bench.profile_step_loop for z-armed, then z-armed after one z-capture batch (2 x ~3)
