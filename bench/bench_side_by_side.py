@@ -35,6 +35,9 @@ Deployments and cases:
            `forward_timing` (each decode step's model call timed on the host and the device):
            armed, unused | hook_z at 1 layer, every position, bf16 | armed, unused, after the capture |
            that after 4 s of matrix products on the GPU by this process (a CUDA context of its own)
+  z-reset  the z-nographs engine: which of this process's GPU work ends the slow state after a capture (two
+           tiny kernels | 4 s of device copies | 4 s of matrix products, each after a capture of its own),
+           and armed, unused after an ablation (plans, no host copies)
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -60,7 +63,9 @@ PLAIN = "plain vLLM, CUDA graphs"
 PLAIN_AGAIN = "plain vLLM, right after itself"
 DEFAULT_DEPLOYMENTS = ["z", "pattern"]
 PAUSE = "pause_s"  # a case's seconds of idle before its batch, not part of its requests
-BURST = "gpu_burst_s"  # a case's seconds of GPU work by this process (a CUDA context of its own) before its batch
+# a case's GPU work by this process (a CUDA context of its own) before its batch: (kind, seconds), kind one of
+# "matmul" (tensor cores), "copy" (device memory copies, no arithmetic), "kernel" (two tiny kernels, seconds unused)
+BURST = "gpu_burst"
 
 
 def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
@@ -100,8 +105,22 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
     z_nographs_cases = {"hook_z armed, unused": {}, capture: z_cases[capture], "hook_z armed, unused, after the capture": {},
                         # the engine stays slow after a capture until plain vLLM's batches run on the GPU: does any
                         # other process's GPU work (as long as plain's two batches) bring it back?
-                        "hook_z armed, unused, after the capture and another process's GPU work": {BURST: 4.0}}
-    return {"z": (z, z_cases), "z-nographs": (z | {"arena_graphs": False, "forward_timing": True}, z_nographs_cases),
+                        "hook_z armed, unused, after the capture and another process's GPU work": {BURST: ("matmul", 4.0)}}
+    # which of another process's GPU work ends the slow state after a capture (each after a capture of its own),
+    # and whether a batch with plans but no host copies (an ablation) starts it
+    after_capture = "hook_z armed, unused, after the capture"
+    z_reset_cases = {
+        "hook_z armed, unused": {}, capture: z_cases[capture], after_capture: {},
+        f"{after_capture} and two tiny kernels of another process": {BURST: ("kernel", 0.0)},
+        f"{capture}, 2nd": z_cases[capture],
+        f"{after_capture} and 4 s of another process's device copies": {BURST: ("copy", 4.0)},
+        f"{capture}, 3rd": z_cases[capture],
+        f"{after_capture} and 4 s of another process's matrix products": {BURST: ("matmul", 4.0)},
+        "ablate 1 head of hook_z, 1 layer": z_cases["ablate 1 head of hook_z, 1 layer"],
+        "hook_z armed, unused, after the ablation": {},
+    }
+    nographs = z | {"arena_graphs": False, "forward_timing": True}
+    return {"z": (z, z_cases), "z-nographs": (nographs, z_nographs_cases), "z-reset": (nographs, z_reset_cases),
             "pattern": (pattern, pattern_cases)}
 
 
@@ -222,16 +241,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             cpus: dict[str, list[dict[str, Any]]] = {case: [] for case in submits}
             for r in range(args.rounds):
                 for case, submit in submits.items():
-                    engine = cases[case][0] if case in cases else None
-                    await asyncio.sleep(cases[case][1].get(PAUSE, 0.0) if engine else 0.0)
-                    gpu_burst(cases[case][1].get(BURST, 0.0) if engine else 0.0)
-                    before = await engine.stats() if engine else None
-                    if engine:
-                        await engine.forward_times()  # drained: the next call holds this batch's steps
-                    step_loop = core_pid[id(engine if engine else plain)]
-                    placed = {"engine": placement(step_loop), "driver": placement(os.getpid())}
-                    timed = await batch(workload, submit, prompts, times[id(engine if engine else plain)])
-                    cpus[case].append(moved(placed, {"engine": placement(step_loop), "driver": placement(os.getpid())}))
+                    engine, extra = cases.get(case, (None, {}))
+                    runner = engine or plain
+                    before = await before_batch(engine, extra)
+                    placed = placements(core_pid[id(runner)])
+                    timed = await batch(workload, submit, prompts, times[id(runner)])
+                    cpus[case].append(moved(placed, placements(core_pid[id(runner)])))
                     rounds[case].append(timed["tok_per_s"])
                     for phase, values in phases[case].items():
                         values.append(round(timed[phase] * 1e3, 2))
@@ -253,21 +268,46 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def gpu_burst(seconds: float) -> None:
-    """Matrix products for `seconds` on this process's GPU (its own CUDA context), or its CPU."""
-    if seconds <= 0:
+async def before_batch(engine: Any | None, extra: dict[str, Any]) -> dict[str, Any] | None:
+    """A case's pause and burst, then its engine's stats (None for plain vLLM), its forward
+    timings drained so that the next call holds this batch's steps."""
+    await asyncio.sleep(extra.get(PAUSE, 0.0))
+    gpu_burst(*extra.get(BURST, ("matmul", 0.0)))
+    if engine is None:
+        return None
+    await engine.forward_times()
+    return await engine.stats()
+
+
+def placements(step_loop: int) -> dict[str, dict[str, int]]:
+    return {"engine": placement(step_loop), "driver": placement(os.getpid())}
+
+
+def gpu_burst(kind: str, seconds: float) -> None:
+    """GPU work of `kind` (see BURST) for `seconds` on this process's GPU (its own CUDA context), or its CPU."""
+    if seconds <= 0 and kind != "kernel":
         return
     import torch
 
     on_gpu = torch.cuda.is_available()
-    a = torch.randn(8192 if on_gpu else 512, 8192 if on_gpu else 512, device="cuda" if on_gpu else "cpu",
-                    dtype=torch.bfloat16 if on_gpu else torch.float32)
+    side = 64 if kind == "kernel" else 8192 if on_gpu else 512
+    a = torch.randn(side, side, device="cuda" if on_gpu else "cpu", dtype=torch.bfloat16 if on_gpu else torch.float32)
+    b = torch.empty_like(a)
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(8):
-            a = (a @ a).clamp_(-1, 1)
+    while True:
+        if kind == "kernel":
+            a[:1, :1].add_(0)
+        elif kind == "matmul":
+            for _ in range(8):
+                a = (a @ a).clamp_(-1, 1)
+        else:
+            for _ in range(8):
+                b.copy_(a)
+                a.copy_(b)
         if on_gpu:
             torch.cuda.synchronize()
+        if time.perf_counter() >= end:
+            return
 
 
 def moved(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, Any]:
@@ -350,7 +390,7 @@ def main() -> None:
     parser.add_argument("--config", default="llama8b")
     parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--deployments", nargs="+", default=DEFAULT_DEPLOYMENTS, choices=["z", "z-nographs", "pattern"])
+    parser.add_argument("--deployments", nargs="+", default=DEFAULT_DEPLOYMENTS, choices=["z", "z-nographs", "z-reset", "pattern"])
     parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines)")
     parser.add_argument("--sae", action="store_true", help="also arm a TopK SAE and measure encoding")
     parser.add_argument("--sae-features", type=int, default=16384)

@@ -25,6 +25,13 @@ class ArenaBudget:
         self.used = 0
         self.waits = 0  # requests that had to wait
         self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+        # called when a request starts to wait: whoever holds results in the arena (a replica's
+        # shard sink) can give their blocks back (`replicas.sink.ShardSink.relieve`)
+        self.on_wait: list[Callable[[], None]] = []
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     async def acquire(self, blocks: int) -> None:
         if not blocks:
@@ -35,6 +42,8 @@ class ArenaBudget:
         self.waits += 1
         waiter = (blocks, asyncio.get_running_loop().create_future())
         self._waiting.append(waiter)
+        for callback in self.on_wait:
+            callback()
         try:
             await waiter[1]
         except BaseException:

@@ -283,6 +283,12 @@ class CaptureEngine:
             self._arena_budget = ArenaBudget(*self._arena_geometry())
         return self._arena_budget
 
+    @property
+    def arena_budget(self) -> ArenaBudget:
+        """Admission to the worker's arena: what requests hold and wait for (`replicas.sink`
+        watches it to give back what shard jobs hold)."""
+        return self._budget()
+
     def _arena_geometry(self) -> tuple[int, int, int]:
         """(blocks, block bytes, limit in bytes) of the worker's arena; no blocks without one."""
         if self.spill_dir is None:

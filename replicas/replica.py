@@ -134,6 +134,7 @@ class EngineReplica:
         # results leave this process by Ray's serialization, which copies them: they can view
         # the worker's arena in place until then (replicas.arena.HeldArena)
         self._engine.zero_copy = True
+        self._sink.watch(self._engine.arena_budget)
         self._info: ModelInfo = await self._engine.info()
         logger.info("replica %s serving %s", self.name, self._info.model)
 

@@ -15,6 +15,10 @@ publishes the shard itself (`replicas.shard_files`: safetensors, atomic publish)
   is on disk, so a replica never holds rows of more than `max_unwritten` shards. When all are
   taken, policy "wait" queues the job (the Router's ledger still counts it, so new work goes to
   other replicas); policy "refuse" answers `BackPressureError` at once (the driver retries later).
+- Room in the arena: a line's rows view the worker's arena in place until its shard is written.
+  Jobs whose lines together outgrow the arena would each wait for the others' blocks forever, so
+  when a request has to wait for room (`ShardSink.watch`), the lines of jobs still capturing are
+  copied into this process's memory and their blocks go back (`relieved_bytes` in the totals).
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ import resource
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replicas.api import GenerateResult
+from replicas.arena_client import ArenaBudget
 from replicas.arrays import DTYPES
 from replicas.errors import BackPressureError, CaptureFailedError, InvalidRequestError
 from replicas.shard_files import LineRows, write_shard
@@ -205,9 +210,48 @@ class ShardSink:
         self._slots: asyncio.Semaphore | None = None  # made on the replica's loop, at first use
         # where a replica's shards spend their time, for `EngineReplica.stats` (sums over shards);
         # write_s runs from handing a shard to the threads to its publication, a wait for a free
-        # thread included; writing_s is the threads' own time in `write_shard`, minor_faults their page faults
-        self.totals = {"shards": 0, "bytes": 0, "slot_wait_s": 0.0, "write_s": 0.0, "writing_s": 0.0, "minor_faults": 0}
+        # thread included; writing_s is the threads' own time in `write_shard`, minor_faults their page faults;
+        # relieved_bytes what capturing jobs' lines copied out of the arena to make room (`relieve`)
+        self.totals = {"shards": 0, "bytes": 0, "slot_wait_s": 0.0, "write_s": 0.0, "writing_s": 0.0, "minor_faults": 0,
+                       "relieved_bytes": 0}
         self._writing = threading.Lock()
+        self._arena: ArenaBudget | None = None
+        self._capturing: list[list[LineRows]] = []  # the lines of each job still capturing, done so far
+        self._relieving: asyncio.Task | None = None
+        self._relief_wanted = False
+
+    def watch(self, arena: ArenaBudget) -> None:
+        """Give `arena`'s blocks back whenever a request has to wait for them (see the module)."""
+        self._arena = arena
+        arena.on_wait.append(self.relieve)
+
+    @contextmanager
+    def capturing(self, lines: list[LineRows]) -> Iterator[None]:
+        """`lines` (a job's, appended as they finish) may be copied out of the arena until the
+        block ends, when the job hands them to its write."""
+        self._capturing.append(lines)
+        try:
+            yield
+        finally:
+            self._capturing.remove(lines)
+
+    def line_done(self) -> None:
+        """A line of a capturing job finished: while requests wait for the arena, its rows leave it too."""
+        if self._arena is not None and self._arena.waiting:
+            self.relieve()
+
+    def relieve(self) -> None:
+        """Copy every capturing job's lines out of the arena, on a thread (once more if asked again meanwhile)."""
+        self._relief_wanted = True
+        if self._relieving is None or self._relieving.done():
+            self._relieving = asyncio.ensure_future(self._relieve())
+
+    async def _relieve(self) -> None:
+        while self._relief_wanted:
+            self._relief_wanted = False
+            lines = [rows for job in self._capturing for rows in job]
+            copied = await asyncio.to_thread(lambda: sum(map(copy_out_of_arena, lines)))
+            self.totals["relieved_bytes"] += copied
 
     @property
     def slots(self) -> int:
@@ -246,6 +290,14 @@ class ShardSink:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 
+def copy_out_of_arena(rows: LineRows) -> int:
+    """Replace the line's arrays that view memory they do not own (the arena) by copies; returns
+    the bytes copied. Dropping the views gives their arena blocks back (`HeldArena`)."""
+    views = {hook: array for hook, array in rows.arrays.items() if array.base is not None}
+    rows.arrays = {**rows.arrays, **{hook: array.copy() for hook, array in views.items()}}
+    return sum(array.nbytes for array in views.values())
+
+
 def _minor_faults() -> int:
     """This thread's minor page faults so far: a writer faulting in the arena's pages as it reads
     them (the replica maps the worker's arena file) shows here."""
@@ -257,12 +309,17 @@ async def run_shard(job: ShardJob, generate: Generate, sink: ShardSink) -> Shard
     folder = sink_folder(job.folder)
     async with sink.slot():
         limit = asyncio.Semaphore(job.concurrency)
+        finished: list[LineRows] = []
 
         async def one(item: JobLine) -> tuple[LineRows, str | None]:
             async with limit:
-                return await _line(item, job, generate)
+                rows, replica = await _line(item, job, generate)
+            finished.append(rows)
+            sink.line_done()
+            return rows, replica
 
-        done = await asyncio.gather(*(one(item) for item in job.lines))
+        with sink.capturing(finished):
+            done = await asyncio.gather(*(one(item) for item in job.lines))
         lines = [rows for rows, _ in done]
         size = await sink.write(folder, job, lines)
     replicas = Counter(replica for _, replica in done if replica is not None)

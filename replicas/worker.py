@@ -33,13 +33,13 @@ from replicas import _vllm
 from replicas.blocks import SiteOptions, install_sites
 from replicas.collector import MAX_STEP_BYTES, Collector
 from replicas.edit_table import EditTable
+from replicas.forward_timing import ForwardTimes
 from replicas.lifeline import Owner, watch_owner
 from replicas.outbox import TIMEOUT_S as OUTBOX_TIMEOUT_S
 from replicas.outbox import DEAD, Outbox, RequestBuffers
 from replicas.plans import PLAN_KEY
 from replicas.request_table import UNPLANNED, Batch, Entry, RequestTable
 from replicas.sae import load_saes
-from replicas.forward_timing import ForwardTimes
 from replicas.step_profile import StepProfiler
 
 RECENT_PERIODS = 4096  # decode periods kept for their spread (`capserve_decode_periods`)

@@ -493,6 +493,48 @@ def test_a_result_that_views_the_arena_holds_its_blocks_until_its_arrays_are_dro
 
 
 @pytest.mark.engine
+def test_a_shard_job_that_outgrows_the_arena_copies_its_lines_out_and_completes(loop, small, tiny_models, tmp_path):
+    """A replica-side sink holds a job's lines, viewing the arena, until the shard is written: 8
+    lines of 16 blocks need twice the arena's 64, so the later ones wait for room that only the
+    job itself could give back. The sink copies the finished lines out when a request waits."""
+    from safetensors.numpy import load_file
+
+    from replicas.sink import JobLine, RowSpec, ShardJob, ShardSink, run_shard
+    from tests.conftest import ACTIVATION_TOL, assert_close
+    from tests.hf_reference import hf_activations
+    from tests.test_engine_capture import prompt_ids, settled_stats
+
+    hooks = hooks_of(4)  # 4 hooks x 100 rows: 16 blocks a line
+    prompts = [prompt_ids(100, seed=200 + k) for k in range(8)]
+    lines = [JobLine(line=k, request={"prompt": p, "max_tokens": 1, "temperature": 0, "capture": {"hooks": hooks}})
+             for k, p in enumerate(prompts)]
+    job = ShardJob(folder=str(tmp_path), shard=0, spec=RowSpec(hooks=hooks), d_model=128, lines=lines, concurrency=8)
+    sink = ShardSink()
+    sink.watch(small.arena_budget)
+    small.zero_copy = True  # as in a replica: rows view the arena until the shard is written
+    try:
+        index = loop.run(asyncio.wait_for(run_shard(job, small.generate, sink), 120))
+    finally:
+        small.zero_copy = False
+        small.arena_budget.on_wait.remove(sink.relieve)
+        sink.close()
+    assert index.captured == 8 and index.rows == 800
+    assert sink.totals["relieved_bytes"] > 0
+    tensors = load_file(str(tmp_path / "shard-000000.safetensors"))
+    for k, prompt in enumerate(prompts):
+        reference = hf_activations(tiny_models["llama"], prompt)
+        for hook in hooks:
+            layer, kind = int(hook.split(".")[1]), hook.split("hook_")[1]
+            assert_close(tensors[hook][100 * k : 100 * (k + 1)], reference[(layer, kind)], atol=ACTIVATION_TOL, rtol=0)
+    assert loop.run(settled_stats(small))["arena_bytes_in_use"] == 0
+    for _ in range(100):
+        if not small.arena_budget.used:
+            break
+        loop.run(asyncio.sleep(0.05))
+    assert small.arena_budget.used == 0
+
+
+@pytest.mark.engine
 def test_capture_groups_of_finished_requests_are_forgotten(loop, small):
     from tests.test_engine_capture import prompt_ids, settled_stats
 

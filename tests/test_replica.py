@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from replicas.api import GenerateResult, ModelInfo
+from replicas.arena_client import ArenaBudget
 from replicas.errors import InvalidRequestError, ReplicaUnavailableError
 from replicas.replica import EngineReplica
 
@@ -26,6 +27,7 @@ class FakeEngine:
         self.release = asyncio.Event()
         self.dead = False
         self.stopped = False
+        self.arena_budget = ArenaBudget(0, 0, 0)  # no arena
 
     @classmethod
     async def start(cls, config: Any, name: str | None = None) -> "FakeEngine":

@@ -10,6 +10,7 @@
 #   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
 #   nographs bench_side_by_side, the z engine with arena_graphs off and forward_timing on, 32 requests: armed,
 #            capture, armed after it, and after another process's GPU work (3.5)
+#   reset    nographs' engine: which other GPU work ends the slow state after a capture; after an ablation (5)
 #   pin      nographs with each engine core's step loop and the driver's event loop on a core of their own (3.5)
 #   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
 #   after    bench.profile_step_loop for z-armed, then z-armed after one z-capture batch (2 x ~3)
@@ -22,6 +23,8 @@
 #            has not touched lately, when it runs first on a fresh machine) (2.5)
 #   pinned   bench/gpu/pinned_source.py: shards from a mapping registered (and filled by the GPU) elsewhere (0.5)
 #   copies   bench/gpu/copy_paths.py: a bulk step's rows to host memory by kernel or copy engines (0.5)
+#   state    bench/gpu/copy_state.py: which copy leaves a decode forward slower until another process's kernel;
+#            needs torch alone, so it can also run before the bundle is installed (1.5)
 #   stall    bench/gpu/register_stall.py: what registering arena memory costs a step loop (0.3)
 # Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
 # measured; issue the polls back to back, with nothing between them.
@@ -38,6 +41,8 @@ for part in "$@"; do
              --rounds 3 --out "$R" > "$R/sbs32.log" 2>&1 ;;
     nographs) step nographs python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs \
                 --workloads 32x512+256 --rounds 3 --out "$R" > "$R/nographs.log" 2>&1 ;;
+    reset) step reset python3 -m bench.bench_side_by_side --config llama8b --deployments z-reset \
+             --workloads 32x512+256 --rounds 3 --out "$R" > "$R/reset.log" 2>&1 ;;
     pin) step pin python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs --pin \
            --workloads 32x512+256 --rounds 3 --out "$R" > "$R/pin.log" 2>&1 ;;
     profile) for case in ${PROFILE_CASES:-z-capture z-ablate bulk}; do
@@ -58,6 +63,7 @@ for part in "$@"; do
     sink) step sink python3 -m bench.bench_sink_source --gb 8 --threads 4 --fill-gb 72 --fill-passes 2 --label h200 --out "$R" > "$R/sink.log" 2>&1 ;;
     pinned) step pinned python3 bench/gpu/pinned_source.py --out "$R" > "$R/pinned.log" 2>&1 ;;
     copies) step copies python3 bench/gpu/copy_paths.py --out "$R" > "$R/copies.log" 2>&1 ;;
+    state) step state python3 bench/gpu/copy_state.py --out "$R" > "$R/state.log" 2>&1 ;;
     stall) step stall python3 bench/gpu/register_stall.py --out "$R" > "$R/stall.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
   esac
