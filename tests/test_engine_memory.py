@@ -408,6 +408,16 @@ def hooks_of(n: int) -> list[str]:
     return [f"blocks.{layer}.hook_{kind}" for kind in LAYER_KINDS for layer in range(4)][:n]
 
 
+def settled_budget(loop, engine, timeout_s: float = 5.0) -> int:
+    """The engine's arena budget in use once the worker has the blocks read in place back (the
+    budget follows them, with the next take RPC), or after timeout_s as it is."""
+    for _ in range(int(timeout_s / 0.05)):
+        if not engine.arena_budget.used:
+            break
+        loop.run(asyncio.sleep(0.05))
+    return engine.arena_budget.used
+
+
 @pytest.mark.engine
 def test_logits_and_rows_of_a_long_prefill_computed_in_chunks_equal_hf(loop, small, tiny_models):
     from tests.conftest import ACTIVATION_TOL, LOGIT_TOL, assert_close
@@ -485,11 +495,7 @@ def test_a_result_that_views_the_arena_holds_its_blocks_until_its_arrays_are_dro
     del part
     gc.collect()
     assert loop.run(settled_stats(small))["arena_bytes_in_use"] == 0
-    for _ in range(100):  # the budget comes back once the worker has the blocks back
-        if not small._budget().used:
-            break
-        loop.run(asyncio.sleep(0.05))
-    assert small._budget().used == 0
+    assert settled_budget(loop, small) == 0
 
 
 @pytest.mark.engine
@@ -527,11 +533,7 @@ def test_a_shard_job_that_outgrows_the_arena_copies_its_lines_out_and_completes(
             layer, kind = int(hook.split(".")[1]), hook.split("hook_")[1]
             assert_close(tensors[hook][100 * k : 100 * (k + 1)], reference[(layer, kind)], atol=ACTIVATION_TOL, rtol=0)
     assert loop.run(settled_stats(small))["arena_bytes_in_use"] == 0
-    for _ in range(100):
-        if not small.arena_budget.used:
-            break
-        loop.run(asyncio.sleep(0.05))
-    assert small.arena_budget.used == 0
+    assert settled_budget(loop, small) == 0
 
 
 @pytest.mark.engine
