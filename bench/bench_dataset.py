@@ -300,17 +300,24 @@ def app_args(model: str, args: argparse.Namespace, replicas: int, shape: dict[st
             "sink": {"threads": args.sink_threads, "max_unwritten": max_unwritten(args)}}
 
 
-def arena_reserve(table: dict[str, Case], args: argparse.Namespace) -> int | None:
+def arena_reserve(table: dict[str, Case], args: argparse.Namespace, replicas: int) -> int | None:
     """Each replica's arena_reserve_bytes: --arena-reserve-gb, else with replica-side sinks room for
-    the lines of the shards a replica holds at once (sink.max_unwritten shards, the largest case's),
-    so that no run waits for the arena to grow; None (the engine's default) when that is less."""
+    the lines of its share of the CLI's shard window (a shard job holds its lines until its shard is
+    written), the largest case's, so that no run waits for the arena to grow; None (the engine's
+    default) when that is less. Small shards make the window wider than the replicas' sink slots."""
     if args.arena_reserve_gb is not None:
         return int(args.arena_reserve_gb * 1e9)
     if args.sink == "driver":
         return None
-    held = max(max_unwritten(args) * min(shard_lines_for(table[name], args), args.prompts) * table[name].bytes_per_line
-               for name in args.cases)
-    return held if held > DEFAULT_ARENA_RESERVE_BYTES[args.device] else None
+    from provider.dataset.remote import auto_window
+
+    def held(case: Case) -> int:
+        plan = Plan(case, args.prompts, shard_lines_for(case, args), None)
+        window = auto_window(capture_options(plan, args), replicas, max_unwritten(args))
+        return math.ceil(window / replicas) * min(plan.shard_lines, args.prompts) * case.bytes_per_line
+
+    most = max(held(table[name]) for name in args.cases)
+    return most if most > DEFAULT_ARENA_RESERVE_BYTES[args.device] else None
 
 
 def max_unwritten(args: argparse.Namespace) -> int:
@@ -343,7 +350,8 @@ def via_serve(model: str, args: argparse.Namespace, replicas: int, work: Path) -
     started = time.perf_counter()
     start_serve(num_cpus=2 + 2 * replicas if args.device == "cpu" else None)
     try:
-        serve.run(build_app(app_args(model, args, replicas, shape, arena_reserve(table, args))), name="capserve", route_prefix="/")
+        app = build_app(app_args(model, args, replicas, shape, arena_reserve(table, args, replicas)))
+        serve.run(app, name="capserve", route_prefix="/")
         wait_for_replicas(replicas)
         out["boot_s"] = time.perf_counter() - started
         out["sink_write"] = sink_write_speed(work, args.sink_threads * replicas, int(args.probe_gb * 1e9),
@@ -456,7 +464,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sink-fill", type=float, default=0.5, help="fraction of the sink's free space a case may fill")
     parser.add_argument("--arena-reserve-gb", type=float, default=None,
                         help="each replica's arena reserved at start-up (engine arena_reserve_bytes; default: with --sink replica, "
-                             "room for sink.max_unwritten shards of the largest case's lines when that exceeds the engine's default)")
+                             "room for the lines of its share of the CLI's shard window, the largest case's, when that "
+                             "exceeds the engine's default)")
     parser.add_argument("--concurrency", type=int, default=64, help="capserve capture --concurrency")
     parser.add_argument("--shard-lines", type=int, default=0, help="lines per shard (default 0: about --shard-gb, at most 1024)")
     parser.add_argument("--shard-gb", type=float, default=2.0, help="target shard size when --shard-lines is 0")

@@ -38,6 +38,16 @@ Deployments and cases:
   z-reset  the z-nographs engine: which of this process's GPU work ends the slow state after a capture (two
            tiny kernels | 4 s of device copies | 4 s of matrix products, each after a capture of its own),
            and armed, unused after an ablation (plans, no host copies)
+  z-start  the z-nographs engine: which captures start that state (hook_z at 1 layer for last_prompt, prompt,
+           generated or all positions, each after two tiny kernels of another process, then armed, unused)
+  z-kick   the z-nographs engine: whether its own process ends that state (an empty kernel in a second CUDA
+           context of it, or a kernel on a side stream of its own context), and captures while another process
+           runs two tiny kernels every 50 or 500 ms (and the armed engine beside such kicks: their own cost);
+           its engine kicks need VLLM_ALLOW_INSECURE_SERIALIZATION, which slows every batch's tail after vLLM:
+           compare its decode phases
+  z-switch the z-nographs engine with `switch_context_every_s: 0.05` (it ends that state itself: an empty kernel in
+           a second CUDA context while steps write rows, and once after): armed | the capture | armed after it |
+           the capture again | the ablation; run beside z-nographs for the engine without it. z-switch-20ms: 0.02
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -57,6 +67,7 @@ import numpy as np
 
 from bench.cpu_placement import pin, placement
 from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, Workload, dummy_model_folder, engine_settings, model_shape, write_result
+from bench.gpu_kicks import PeriodicKicks
 
 Submit = Callable[[list[int]], Awaitable[Any]]
 PLAIN = "plain vLLM, CUDA graphs"
@@ -66,6 +77,13 @@ PAUSE = "pause_s"  # a case's seconds of idle before its batch, not part of its 
 # a case's GPU work by this process (a CUDA context of its own) before its batch: (kind, seconds), kind one of
 # "matmul" (tensor cores), "copy" (device memory copies, no arithmetic), "kernel" (two tiny kernels, seconds unused)
 BURST = "gpu_burst"
+# GPU work inside the engine's own process before a case's batch (bench.gpu_kicks.kick): "second context" (an
+# empty kernel in a second CUDA context of that process) or "own side stream" (a kernel on a new stream of its own)
+ENGINE_KICK = "engine_kick"
+KICKS = "kicks_every_s"  # two tiny kernels by this process every so many seconds while the case's batch runs
+NOT_REQUEST_FIELDS = (PAUSE, BURST, ENGINE_KICK, KICKS)
+# switch_context_every_s of the z-switch deployments: another process's kicks every 50 ms kept the state mostly away
+SWITCH_EVERY_S = {"z-switch": 0.05, "z-switch-20ms": 0.02}
 
 
 def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]]:
@@ -119,9 +137,34 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
         "ablate 1 head of hook_z, 1 layer": z_cases["ablate 1 head of hook_z, 1 layer"],
         "hook_z armed, unused, after the ablation": {},
     }
+    # which captures start it: each after two tiny kernels of another process (the state ended), then the
+    # armed batch after it; a last_prompt capture copies one row a request in prefill, a prompt capture
+    # rows in prefill steps only, a generated one in decode steps only
+    kick = {BURST: ("kernel", 0.0)}
+    z_start_cases = {"hook_z armed, unused": {}}
+    for positions in ("last_prompt", "prompt", "generated", "all"):
+        z_start_cases[f"capture hook_z 1 layer, {positions}, after two tiny kernels of another process"] = kick | {
+            "capture": {"hooks": [f"blocks.{middle}.attn.hook_z"], "positions": positions, "dtype": "bfloat16"}}
+        z_start_cases[f"hook_z armed, unused, after the {positions} capture"] = {}
+    # whether the engine's own process can end the state (a kernel in a second CUDA context of it; a kernel on a
+    # side stream of its own context as the control), and whether another process's kernels on a timer during a
+    # capture keep it away, at what cost
+    z_kick_cases = {
+        "hook_z armed, unused": {}, capture: z_cases[capture], after_capture: {},
+        f"{after_capture} and an empty kernel in a second CUDA context of the engine's process": {ENGINE_KICK: "second context"},
+        f"{capture}, another process's tiny kernels every 50 ms": z_cases[capture] | {KICKS: 0.05},
+        f"{capture}, another process's tiny kernels every 500 ms": z_cases[capture] | {KICKS: 0.5},
+        f"{capture}, 2nd": z_cases[capture],
+        f"{after_capture} and a kernel on a side stream of the engine's own context": {ENGINE_KICK: "own side stream"},
+        "hook_z armed, unused, another process's tiny kernels every 50 ms": {KICKS: 0.05},
+    }
+    # the engine ending it itself (engine option switch_context_every_s): the capture, and armed after it
+    z_switch_cases = {"hook_z armed, unused": {}, capture: z_cases[capture], after_capture: {}, f"{capture}, 2nd": z_cases[capture],
+                      "ablate 1 head of hook_z, 1 layer": z_cases["ablate 1 head of hook_z, 1 layer"]}
     nographs = z | {"arena_graphs": False, "forward_timing": True}
+    switching = {name: (nographs | {"switch_context_every_s": every}, z_switch_cases) for name, every in SWITCH_EVERY_S.items()}
     return {"z": (z, z_cases), "z-nographs": (nographs, z_nographs_cases), "z-reset": (nographs, z_reset_cases),
-            "pattern": (pattern, pattern_cases)}
+            "z-start": (nographs, z_start_cases), "z-kick": (nographs, z_kick_cases), **switching, "pattern": (pattern, pattern_cases)}
 
 
 async def batch(workload: Workload, submit: Submit, prompts: list[list[int]], times: "OutputTimes") -> dict[str, float]:
@@ -198,7 +241,7 @@ async def start_capserve(model: str, settings: dict[str, Any], fields: dict[str,
 
 
 def capserve_submit(engine: Any, workload: Workload, extra: dict[str, Any]) -> Submit:
-    base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | {k: v for k, v in extra.items() if k not in (PAUSE, BURST)}
+    base = {"max_tokens": workload.max_tokens, "ignore_eos": True} | {k: v for k, v in extra.items() if k not in NOT_REQUEST_FIELDS}
 
     async def submit(prompt: list[int]) -> Any:
         return await engine.generate(base | {"prompt": prompt})
@@ -211,6 +254,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = engine_settings(args.config) | {"gpu_memory_utilization": args.memory_share}
     n_layers = model_shape(args.config)["n_layers"]
     sae = sae_case(args, n_layers)
+    if "z-kick" in args.deployments:  # its engine kicks run a function of this script in the engine's process
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     plain = await start_plain(model, settings)
     engines, cases = {}, {}
     for name, (fields, deployment_cases) in deployments(n_layers, sae).items():
@@ -239,13 +284,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             phases: dict[str, dict[str, list[float]]] = {case: {"prefill": [], "decode": [], "tail": []} for case in submits}
             worker = {case: WorkerTime() for case in cases}
             cpus: dict[str, list[dict[str, Any]]] = {case: [] for case in submits}
+            kick_counts: dict[str, list[int]] = {}
+            engine_kick_s: dict[str, list[float]] = {}
             for r in range(args.rounds):
                 for case, submit in submits.items():
                     engine, extra = cases.get(case, (None, {}))
                     runner = engine or plain
                     before = await before_batch(engine, extra)
+                    if before and "kick_s" in before:
+                        engine_kick_s.setdefault(case, []).append(before.pop("kick_s"))
                     placed = placements(core_pid[id(runner)])
+                    kicks = PeriodicKicks(extra[KICKS]).start() if KICKS in extra else None
                     timed = await batch(workload, submit, prompts, times[id(runner)])
+                    if kicks:
+                        kick_counts.setdefault(case, []).append(kicks.stop())
                     cpus[case].append(moved(placed, placements(core_pid[id(runner)])))
                     rounds[case].append(timed["tok_per_s"])
                     for phase, values in phases[case].items():
@@ -260,6 +312,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[name][case]["cpus"] = cpus[case]
             for case, time_spent in worker.items():
                 results[name][case]["worker_us_per_step"] = time_spent.per_step()
+            for case, counts in kick_counts.items():
+                results[name][case]["kicks_per_batch"] = counts
+            for case, seconds in engine_kick_s.items():
+                results[name][case]["engine_kick_ms"] = [round(s * 1e3, 3) for s in seconds]
             gc.collect()
     finally:
         for engine in engines.values():
@@ -275,8 +331,16 @@ async def before_batch(engine: Any | None, extra: dict[str, Any]) -> dict[str, A
     gpu_burst(*extra.get(BURST, ("matmul", 0.0)))
     if engine is None:
         return None
+    kick_s = None
+    if ENGINE_KICK in extra:
+        from bench import gpu_kicks
+
+        try:
+            kick_s = (await engine.llm.collective_rpc(gpu_kicks.kick, args=(extra[ENGINE_KICK],)))[0]
+        except Exception as exc:  # the other cases still run; the case then measures no kick
+            print(f"the engine kick {extra[ENGINE_KICK]!r} failed: {exc}", flush=True)
     await engine.forward_times()
-    return await engine.stats()
+    return await engine.stats() | ({"kick_s": kick_s} if kick_s is not None else {})
 
 
 def placements(step_loop: int) -> dict[str, dict[str, int]]:
@@ -323,6 +387,7 @@ class WorkerTime:
 
     def __init__(self) -> None:
         self.steps = 0
+        self.context_switches = 0  # the engine's own (switch_context_every_s), over the case's rounds
         self.decode_periods = 0
         self.seconds: dict[str, float] = {}
         self.periods_us: list[float] = []
@@ -330,6 +395,7 @@ class WorkerTime:
 
     def add(self, before: dict[str, Any], after: dict[str, Any], recent_us: list[float], forward_us: dict[str, list[float]]) -> None:
         self.steps += after["steps"] - before["steps"]
+        self.context_switches += after["context_switches"] - before["context_switches"]
         new = after["decode_periods"] - before["decode_periods"]
         self.decode_periods += new
         for phase in ("prepare", "collect", "decode_period"):
@@ -343,7 +409,8 @@ class WorkerTime:
         decode step's start to the next's) over the decode steps that followed one, its mean and
         quantiles (a shift of every step, or a few long ones). With the engine's
         `forward_timing`, the decode steps' model call on the host and the device, p50
-        (`forward_host_p50`, `forward_device_p50`): whether a slower period lies in the forward."""
+        (`forward_host_p50`, `forward_device_p50`): whether a slower period lies in the forward;
+        and the engine's own context switches over the rounds (`switch_context_every_s`)."""
         seconds = dict(self.seconds)
         period = seconds.pop("decode_period", 0.0) / max(self.decode_periods, 1)
         quantiles = {}
@@ -355,7 +422,7 @@ class WorkerTime:
             if values:
                 quantiles[f"forward_{where}_p50"] = float(np.percentile(values, 50))
         return ({phase: value / max(self.steps, 1) * 1e6 for phase, value in seconds.items()}
-                | {"decode_period": period * 1e6} | quantiles)
+                | {"decode_period": period * 1e6, "context_switches": self.context_switches} | quantiles)
 
 
 def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
@@ -390,8 +457,9 @@ def main() -> None:
     parser.add_argument("--config", default="llama8b")
     parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--deployments", nargs="+", default=DEFAULT_DEPLOYMENTS, choices=["z", "z-nographs", "z-reset", "pattern"])
-    parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines)")
+    parser.add_argument("--deployments", nargs="+", default=DEFAULT_DEPLOYMENTS,
+                        choices=["z", "z-nographs", "z-reset", "z-start", "z-kick", *SWITCH_EVERY_S, "pattern"])
+    parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines; 0.22 for four)")
     parser.add_argument("--sae", action="store_true", help="also arm a TopK SAE and measure encoding")
     parser.add_argument("--sae-features", type=int, default=16384)
     parser.add_argument("--pin", action="store_true",

@@ -101,7 +101,8 @@ class EngineConfig(BaseModel):
         "rows go into it by the fewest copies; it keeps this much when idle and grows past it as needed, up to "
         "arena_max_bytes (on a GPU registering new memory holds up the step loop a little). For N large captures "
         "at once: N x replicas.arena.capture_arena_bytes(hooks, rows, row bytes, d_model); for `capserve capture` "
-        "with replica-side sinks, the lines of sink.max_unwritten shards. Default: 1 GiB on a "
+        "with replica-side sinks, the lines of the shard jobs a replica holds (sink.max_unwritten shards, or "
+        "the CLI's --concurrency lines when shards are smaller). Default: 1 GiB on a "
         "GPU, 64 MiB on the CPU engine.",
     )
     max_step_temp_bytes: int = Field(
@@ -122,6 +123,13 @@ class EngineConfig(BaseModel):
         description="Time each decode step's model call on the host and, on a GPU, by CUDA events on the device "
         "(replicas/forward_timing.py; `CaptureEngine.forward_times`): where a slower step's time goes, without a "
         "profiler. Costs two event records a decode step.",
+    )
+    switch_context_every_s: float | None = Field(
+        None, gt=0,
+        description="On a GPU, launch an empty kernel in a second CUDA context of the engine's process at most this "
+        "often while steps write captured rows, and once after the last such step (replicas/context_switch.py): on "
+        "an H200 a capture of many rows leaves the forward ~3 % slower until the GPU switches contexts. Off "
+        "(None) by default until measured in the engine; creating the context costs ~0.25 s at start-up.",
     )
     max_set_edits: int = Field(
         4, ge=1, le=64,
@@ -255,6 +263,7 @@ class EngineConfig(BaseModel):
                 "max_step_temp_bytes": self.max_step_temp_bytes,
                 "arena_graphs": self.arena_graphs,
                 "forward_timing": self.forward_timing,
+                "switch_context_every_s": self.switch_context_every_s,
                 "outbox_timeout_s": self.outbox_timeout_s,
                 "step_profile": self.step_profile.model_dump() if self.step_profile is not None else None,
                 "eager": eager,

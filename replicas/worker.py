@@ -32,6 +32,7 @@ from typing import Any
 from replicas import _vllm
 from replicas.blocks import SiteOptions, install_sites
 from replicas.collector import MAX_STEP_BYTES, Collector
+from replicas.context_switch import context_switches
 from replicas.edit_table import EditTable
 from replicas.forward_timing import ForwardTimes
 from replicas.lifeline import Owner, watch_owner
@@ -83,6 +84,7 @@ class _CaptureState:
         self._decode_began: float | None = None
         self.profiler = StepProfiler.maybe(options, on_gpu=self.device.type == "cuda")
         self.forward_times = ForwardTimes(on_gpu=self.device.type == "cuda") if options.get("forward_timing") else None
+        self.switches = context_switches(options.get("switch_context_every_s"), self.device)
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
 
     @contextmanager
@@ -106,9 +108,12 @@ class _CaptureState:
     def after_step(self) -> None:
         if self.forward_times is not None:
             self.forward_times.end()
+        rows_before = self.collector.rows_captured
         with self._timed("collect"):
             if self._batch is not None and self.table.requests:
                 self.collector.collect(self._batch, self.table)
+        if self.switches is not None:
+            self.switches.after_step(self.collector.rows_captured != rows_before)
 
     def _prepare(self, began: float) -> None:
         """Admit the step's new requests and point the rows each request edits at its slots."""
@@ -228,6 +233,7 @@ class _CaptureState:
             "rows_captured": self.collector.rows_captured,
             "steady_decode_steps": self.collector.steady_steps,
             "decode_periods": self.decode_periods,
+            "context_switches": self.switches.count if self.switches is not None else 0,
             "requests_held": len(self.table.requests),
             "capture_groups": self.collector.live_groups,
             "bytes_held": self.table.bytes_held(),

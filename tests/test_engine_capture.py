@@ -296,6 +296,10 @@ def test_repeated_decode_steps_skip_the_selection_and_capture_the_same_rows(loop
     assert periods < len(forward["host"]) <= periods + 2 and len(forward["device"]) == (len(forward["host"]) if ON_GPU else 0)
     assert min(forward["host"]) > 0 and sum(sorted(forward["host"])[:periods]) < period_s * 1e6
     assert loop.run(engine.forward_times()) == {"host": [], "device": []}  # drained
+    # switch_context_every_s: on a GPU the batch's rows came with context switches (the rows below
+    # equal a prefill's all the same); the CPU engine has no second context
+    switched = after["context_switches"] - before["context_switches"]
+    assert switched >= 1 if ON_GPU else switched == 0
     for result in results:
         assert len(result.positions) == 36 + 15
         prefilled = loop.run(engine.generate({"prompt": result.capture_token_ids, "max_tokens": 1, "temperature": 0,

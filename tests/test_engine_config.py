@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from replicas import _vllm
 from replicas.architectures import ARCHITECTURES, UnsupportedArchitectureError, block_shape, layer_kinds
@@ -107,3 +108,36 @@ def test_forward_timing_is_off_unless_asked_and_times_only_the_calls_it_began():
     assert drained["device"] == [] and len(drained["host"]) == 2
     assert drained["host"][0] >= 2000 and drained["host"][1] >= 4000
     assert times.drain() == {"host": [], "device": []}
+
+
+def test_context_switches_come_while_rows_are_written_at_most_every_interval_and_once_after_the_last():
+    """`switch_context_every_s` reaches the worker (off by default, positive when set); the worker
+    switches after a step that wrote rows once the interval passed, and after the first step
+    without rows that follows them; a driver error stops the switches, not the step loop; on the CPU
+    there is nothing to switch."""
+    import torch
+
+    from replicas.context_switch import ContextSwitches, context_switches
+
+    assert EngineConfig(model="m").engine_args()["additional_config"]["capserve"]["switch_context_every_s"] is None
+    options = EngineConfig(model="m", switch_context_every_s=0.05).engine_args()["additional_config"]["capserve"]
+    assert options["switch_context_every_s"] == 0.05
+    with pytest.raises(ValidationError, match="switch_context_every_s"):
+        EngineConfig(model="m", switch_context_every_s=0)
+    assert context_switches(0.05, torch.device("cpu")) is None
+
+    now, launched = [0.0], []
+    switches = ContextSwitches(lambda: launched.append(now[0]), every_s=0.05, clock=lambda: now[0])
+    for at, wrote_rows in [(0.00, False), (0.01, True), (0.02, True), (0.07, True), (0.08, True), (0.09, False),
+                           (0.10, False), (0.30, False), (0.31, True), (0.32, False)]:
+        now[0] = at
+        switches.after_step(wrote_rows)
+    assert launched == [0.01, 0.07, 0.09, 0.31, 0.32] and switches.count == 5
+
+    def refused() -> None:
+        raise RuntimeError("cuLaunchKernel failed with CUDA driver error 700")
+
+    broken = ContextSwitches(refused, every_s=0.05, clock=lambda: now[0])
+    for wrote_rows in (True, False, True):  # the step loop goes on; after the first refusal nothing is tried
+        broken.after_step(wrote_rows)
+    assert broken.count == 0 and "error 700" in broken.failed

@@ -4,8 +4,10 @@ On the H200, a capserve engine's decode forward runs ~3.4 % slower on the device
 (forward_device_p50 5,387 -> 5,570 µs), until any other process launches a kernel (two tiny ones
 suffice); an ablation (no host copies) does not start it. This script needs only torch: a
 forward in a CUDA graph (`--forward decode`: an 8B decode step's kernels over 14 GB of weights and a
-paged KV cache; `gemm`: long GEMMs only, which did not show it) is timed by CUDA events in each
-state, after each kind of copy and after a kernel of a second process.
+paged KV cache; `gemm`: long GEMMs only) is timed by CUDA events in each state, after each kind
+of copy (between forwards, or while ten forwards run, as in the engine) and after a kernel of a
+second process. Neither forward showed the state on the H200 (results copy_state_*_h200.json):
+torch alone does not reproduce it; the engine's z-start and z-kick runs place it instead.
 
     python3 bench/gpu/copy_state.py --out bench/results
 """
@@ -222,7 +224,33 @@ def main() -> None:
         assert int(cudart.cudaHostRegister(arena.data_ptr() + registered_chunks * chunk, chunk, 3)) == 0
         registered_chunks += 1
 
+    def during_forwards(work: Callable[[], None], after_each: bool) -> Callable[[], None]:
+        """`work` on the side stream while the forward replays on its own, ten times: in the engine a
+        step's rows go to the host while the next step's forward runs. `after_each`: the side stream
+        first waits for the forward before it (an event wait a step, as the engine's copies wait for
+        their gather)."""
+        def run() -> None:
+            main = torch.cuda.current_stream()
+            for _ in range(10):
+                graph.replay()
+                if after_each:
+                    side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    work()
+            torch.cuda.synchronize()
+        return run
+
+    def side_kernel() -> None:
+        rows.mul_(1.0)
+
     actions: dict[str, Callable[[], None]] = {
+        "during 10 forwards: 800 x 256 KB by cudaMemcpy2DAsync into the arena, each after the forward before it":
+            during_forwards(rows_by_2d_copies, True),
+        "during 10 forwards: the same, not waiting for the forward": during_forwards(rows_by_2d_copies, False),
+        "during 10 forwards: an index_copy_ kernel into the arena's device view, after the forward before it":
+            during_forwards(rows_by_kernel, True),
+        "during 10 forwards: a small kernel on the side stream, after the forward before it": during_forwards(side_kernel, True),
+        "during 10 forwards: 128 MB device->pinned, after the forward before it": during_forwards(copy(big_pinned, big), True),
         "register 128 MiB more of the shared arena (portable, mapped), as it grows": register_chunk,
         "800 x 256 KB device->4 GB shared arena (portable, mapped), side stream": on(side, rows_across_arena(False)),
         "the same, a host thread synchronizing on each copy's event": on(side, rows_across_arena(True)),

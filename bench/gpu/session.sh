@@ -11,6 +11,11 @@
 #   nographs bench_side_by_side, the z engine with arena_graphs off and forward_timing on, 32 requests: armed,
 #            capture, armed after it, and after another process's GPU work (3.5)
 #   reset    nographs' engine: which other GPU work ends the slow state after a capture; after an ablation (5)
+#   start    nographs' engine: which captures (last_prompt, prompt, generated, all positions) start that state (5)
+#   kick     nographs' engine: whether its own process (a second CUDA context) ends that state; captures beside
+#            another process's kernels every 50 / 500 ms (5)
+#   switch   nographs' engine beside the same with switch_context_every_s 0.05 and 0.02 (the engine ends the state
+#            itself), four engines at 0.22 of the memory each, 32 requests (8)
 #   pin      nographs with each engine core's step loop and the driver's event loop on a core of their own (3.5)
 #   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
 #   after    bench.profile_step_loop for z-armed, then z-armed after one z-capture batch (2 x ~3)
@@ -43,6 +48,12 @@ for part in "$@"; do
                 --workloads 32x512+256 --rounds 3 --out "$R" > "$R/nographs.log" 2>&1 ;;
     reset) step reset python3 -m bench.bench_side_by_side --config llama8b --deployments z-reset \
              --workloads 32x512+256 --rounds 3 --out "$R" > "$R/reset.log" 2>&1 ;;
+    start) step start python3 -m bench.bench_side_by_side --config llama8b --deployments z-start \
+             --workloads 32x512+256 --rounds 3 --out "$R" > "$R/start.log" 2>&1 ;;
+    kick) step kick python3 -m bench.bench_side_by_side --config llama8b --deployments z-kick \
+            --workloads 32x512+256 --rounds 3 --out "$R" > "$R/kick.log" 2>&1 ;;
+    switch) step switch python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs z-switch z-switch-20ms \
+              --memory-share 0.22 --workloads 32x512+256 --rounds 3 --out "$R" > "$R/switch.log" 2>&1 ;;
     pin) step pin python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs --pin \
            --workloads 32x512+256 --rounds 3 --out "$R" > "$R/pin.log" 2>&1 ;;
     profile) for case in ${PROFILE_CASES:-z-capture z-ablate bulk}; do
