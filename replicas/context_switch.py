@@ -40,7 +40,8 @@ class SecondContext:
 
     @classmethod
     def open(cls, device_index: int) -> SecondContext:
-        """Raises RuntimeError (or OSError without a driver) when it cannot be made."""
+        """Raises RuntimeError when the driver refuses, OSError without a driver, AttributeError when
+        it lacks a call."""
         driver = ctypes.CDLL("libcuda.so.1")
         device, context = ctypes.c_int(), ctypes.c_void_p()
         _check(driver.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
@@ -111,7 +112,7 @@ def context_switches(every_s: float | None, device: torch.device) -> ContextSwit
         return None
     try:
         second = SecondContext.open(device.index if device.index is not None else torch.cuda.current_device())
-    except (OSError, RuntimeError) as exc:
+    except (OSError, AttributeError, RuntimeError) as exc:  # no driver, a driver without the call, or its refusal
         logger.warning("switch_context_every_s is off: no second CUDA context (%s)", exc)
         return None
     return ContextSwitches(second.launch, every_s)
