@@ -129,15 +129,20 @@ def capture_options(plan: Plan, args: argparse.Namespace) -> Any:
                           shard_lines=plan.shard_lines, concurrency=args.concurrency, sink=args.sink)
 
 
+def shard_window(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
+    """Shard jobs the CLI keeps in flight once the replicas answered (provider.dataset.remote.auto_window)."""
+    from provider.dataset.remote import auto_window
+
+    return auto_window(capture_options(plan, args), replicas, max_unwritten(args))
+
+
 def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
     """Requests the capture path keeps on the engines at most (the CLI's shard window once the
     replicas answered, x each job's concurrency; the driver writer: --concurrency); plain prefill
     runs as many."""
-    from provider.dataset.remote import auto_window
-
     if args.sink == "driver":
         return args.concurrency
-    shards = min(auto_window(capture_options(plan, args), replicas, max_unwritten(args)), math.ceil(plan.prompts / plan.shard_lines))
+    shards = min(shard_window(plan, args, replicas), math.ceil(plan.prompts / plan.shard_lines))
     return shards * min(args.concurrency, plan.shard_lines, plan.prompts)
 
 
@@ -309,12 +314,9 @@ def arena_reserve(table: dict[str, Case], args: argparse.Namespace, replicas: in
         return int(args.arena_reserve_gb * 1e9)
     if args.sink == "driver":
         return None
-    from provider.dataset.remote import auto_window
-
     def held(case: Case) -> int:
         plan = Plan(case, args.prompts, shard_lines_for(case, args), None)
-        window = auto_window(capture_options(plan, args), replicas, max_unwritten(args))
-        return math.ceil(window / replicas) * min(plan.shard_lines, args.prompts) * case.bytes_per_line
+        return math.ceil(shard_window(plan, args, replicas) / replicas) * min(plan.shard_lines, args.prompts) * case.bytes_per_line
 
     most = max(held(table[name]) for name in args.cases)
     return most if most > DEFAULT_ARENA_RESERVE_BYTES[args.device] else None
