@@ -30,9 +30,10 @@ shards' writes, which no engine work hid).
 
 Memory: a case's prompt count is capped so that its shards fit in `--sink-fill` of the sink
 folder's free space (the shards of each case are deleted before the next one), and a shard holds
-about `--shard-gb` (replicas hold `--sink-threads` + 1 unwritten shards each, and their arenas are
-reserved at start-up for that many shards' lines: an arena that grows mid-run holds up the step
-loop, as case c's did from 10 to 13.3 GB on the H200); caps are reported. Each replica
+about `--shard-gb` (replicas hold a shard job per writer, `--sink-threads`, and enough besides for
+their share of `--concurrency`'s lines in the shortest shards, `max_unwritten`; their arenas are
+reserved at start-up for the lines of the CLI's window: an arena that grows mid-run holds up the
+step loop, as case c's did from 10 to 13.3 GB on the H200); caps are reported. Each replica
 count runs in its own process (a fresh Ray cluster, engines warm across the cases within it).
 Results merge into `<out>/dataset_<config>.json` (runs keyed by replica count).
 """
@@ -111,6 +112,11 @@ class Plan:
         return self.prompts * self.case.bytes_per_line
 
 
+def case_table(args: argparse.Namespace) -> dict[str, Case]:
+    shape = model_shape(args.config)
+    return cases(shape["n_layers"], shape["d_model"], args.prompt_len, 4 if args.dtype == "float32" else 2)
+
+
 def plan_case(case: Case, requested: int, sink_free: int, args: argparse.Namespace) -> Plan:
     fits = int(sink_free * args.sink_fill // case.bytes_per_line)
     prompts = max(1, min(requested, fits))
@@ -133,7 +139,7 @@ def shard_window(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
     """Shard jobs the CLI keeps in flight once the replicas answered (provider.dataset.remote.auto_window)."""
     from provider.dataset.remote import auto_window
 
-    return auto_window(capture_options(plan, args), replicas, max_unwritten(args))
+    return auto_window(capture_options(plan, args), replicas, max_unwritten(args, replicas))
 
 
 def in_flight(plan: Plan, args: argparse.Namespace, replicas: int) -> int:
@@ -302,7 +308,7 @@ def app_args(model: str, args: argparse.Namespace, replicas: int, shape: dict[st
             "replica_max_ongoing_requests": 1024,
             "drain_timeout_s": 10.0, "health_check_timeout_s": 120.0,
             "engine": {**dummy_engine_options(args.config, ["resid_post"]), "arena_reserve_bytes": reserve},
-            "sink": {"threads": args.sink_threads, "max_unwritten": max_unwritten(args)}}
+            "sink": {"threads": args.sink_threads, "max_unwritten": max_unwritten(args, replicas)}}
 
 
 def arena_reserve(table: dict[str, Case], args: argparse.Namespace, replicas: int) -> int | None:
@@ -322,9 +328,14 @@ def arena_reserve(table: dict[str, Case], args: argparse.Namespace, replicas: in
     return most if most > DEFAULT_ARENA_RESERVE_BYTES[args.device] else None
 
 
-def max_unwritten(args: argparse.Namespace) -> int:
-    """Each replica's sink.max_unwritten: one shard more than its writers."""
-    return args.sink_threads + 1
+def max_unwritten(args: argparse.Namespace, replicas: int) -> int:
+    """Each replica's sink.max_unwritten: a slot for each writer, and enough besides for its share
+    of --concurrency's lines in the shortest shards (a job holds its slot from its first line, so
+    9 slots of 3-line shards kept 27 lines on the H200's engine, not 64:
+    `provider.dataset.remote.short_of_lines`)."""
+    per_replica = math.ceil(args.concurrency / replicas)
+    shortest = min(min(shard_lines_for(case, args), args.prompts) for name, case in case_table(args).items() if name in args.cases)
+    return args.sink_threads + math.ceil(per_replica / shortest)
 
 
 def wait_for_replicas(replicas: int, timeout_s: float = 900.0) -> None:
@@ -345,8 +356,7 @@ def via_serve(model: str, args: argparse.Namespace, replicas: int, work: Path) -
     from deploy.app import build_app
 
     shape = model_shape(args.config)
-    itemsize = 4 if args.dtype == "float32" else 2
-    table = cases(shape["n_layers"], shape["d_model"], args.prompt_len, itemsize)
+    table = case_table(args)
     prompts = Workload("dataset", args.prompts, args.prompt_len, 0).prompt_ids(vocab=VOCAB)
     out: dict[str, Any] = {"cases": {}}
     started = time.perf_counter()

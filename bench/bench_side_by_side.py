@@ -31,8 +31,9 @@ Deployments and cases:
            changes nothing but runs every step); then armed, unused again, after the planned
            batches (whether a cost comes with a batch's plans or stays with the engine after them),
            and that after a 4 s pause
-  z-nographs  the z engine with `arena_graphs: false` (small decode steps' rows by the side stream) and
-           `forward_timing` (each decode step's model call timed on the host and the device):
+  z-nographs  the z engine with `arena_graphs: false` (small decode steps' rows by the side stream),
+           `forward_timing` (each decode step's model call timed on the host and the device) and
+           `switch_context_every_s: null` (so the slow state a capture starts stays, as it did before that option):
            armed, unused | hook_z at 1 layer, every position, bf16 | armed, unused, after the capture |
            that after 4 s of matrix products on the GPU by this process (a CUDA context of its own)
   z-reset  the z-nographs engine: which of this process's GPU work ends the slow state after a capture (two
@@ -45,9 +46,10 @@ Deployments and cases:
            runs two tiny kernels every 50 or 500 ms (and the armed engine beside such kicks: their own cost);
            its engine kicks need VLLM_ALLOW_INSECURE_SERIALIZATION, which slows every batch's tail after vLLM:
            compare its decode phases
-  z-switch the z-nographs engine with `switch_context_every_s: 0.05` (it ends that state itself: an empty kernel in
-           a second CUDA context while steps write rows, and once after): armed | the capture | armed after it |
-           the capture again | the ablation; run beside z-nographs for the engine without it. z-switch-20ms: 0.02
+  z-switch the z-nographs engine with `switch_context_every_s: 0.05` (the default since 2026-12-03; it ends that
+           state itself: an empty kernel in a second CUDA context while steps write rows, and once after): armed |
+           the capture | armed after it | the capture again | the ablation; run beside z-nographs for the engine
+           without it. z-switch-20ms: 0.02
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -161,7 +163,7 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
     # the engine ending it itself (engine option switch_context_every_s): the capture, and armed after it
     z_switch_cases = {"hook_z armed, unused": {}, capture: z_cases[capture], after_capture: {}, f"{capture}, 2nd": z_cases[capture],
                       "ablate 1 head of hook_z, 1 layer": z_cases["ablate 1 head of hook_z, 1 layer"]}
-    nographs = z | {"arena_graphs": False, "forward_timing": True}
+    nographs = z | {"arena_graphs": False, "forward_timing": True, "switch_context_every_s": None}
     switching = {name: (nographs | {"switch_context_every_s": every}, z_switch_cases) for name, every in SWITCH_EVERY_S.items()}
     return {"z": (z, z_cases), "z-nographs": (nographs, z_nographs_cases), "z-reset": (nographs, z_reset_cases),
             "z-start": (nographs, z_start_cases), "z-kick": (nographs, z_kick_cases), **switching, "pattern": (pattern, pattern_cases)}

@@ -191,8 +191,10 @@ class SinkOptions(BaseModel):
 
     threads: int = Field(2, ge=1, description="Threads writing shards to disk on each replica.")
     max_unwritten: int = Field(
-        3, ge=1, description="Shards whose rows a replica holds at once (capturing or being written). One more "
-        "than `threads` keeps every writer busy while the engine fills the next shard.",
+        3, ge=1, description="Shards whose rows a replica holds at once (capturing or being written). A job holds "
+        "its slot from its first line, so `threads` plus enough for the replica's share of `capserve capture "
+        "--concurrency` in shards of `--shard-lines` keeps every writer and the engine busy: one more than "
+        "`threads` for long shards, 8 + 22 for 8 writers, 64 lines and 3-line shards (the CLI says when it is short).",
     )
     policy: SinkPolicy = Field(
         "wait", description="A job past max_unwritten: wait for a slot, or refuse it with BackPressureError (the "

@@ -136,8 +136,7 @@ def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str,
         dtypes = {arch: "auto" if arch == "gpt2" else "float32" for arch in ARCHS}
         return await asyncio.gather(*(
             start_engine(tiny_models[a], name=f"engine-{a}", quick_compile=QUICK_GPU_ENGINES, dtype=dtypes[a],
-                         armed_kinds=armed_with_attention(tiny_models[a]), forward_timing=True,
-                         switch_context_every_s=0.05)  # on a GPU, captures' rows then come with context switches
+                         armed_kinds=armed_with_attention(tiny_models[a]), forward_timing=True)
             for a in ARCHS
         ))
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -111,7 +112,7 @@ def test_forward_timing_is_off_unless_asked_and_times_only_the_calls_it_began():
 
 
 def test_context_switches_come_while_rows_are_written_at_most_every_interval_and_once_after_the_last():
-    """`switch_context_every_s` reaches the worker (off by default, positive when set); the worker
+    """`switch_context_every_s` reaches the worker (0.05 s by default, None for off, positive when set); the worker
     switches after a step that wrote rows once the interval passed, and after the first step
     without rows that follows them; a driver error stops the switches, not the step loop; on the CPU
     there is nothing to switch."""
@@ -119,9 +120,11 @@ def test_context_switches_come_while_rows_are_written_at_most_every_interval_and
 
     from replicas.context_switch import ContextSwitches, context_switches
 
-    assert EngineConfig(model="m").engine_args()["additional_config"]["capserve"]["switch_context_every_s"] is None
-    options = EngineConfig(model="m", switch_context_every_s=0.05).engine_args()["additional_config"]["capserve"]
-    assert options["switch_context_every_s"] == 0.05
+    def every_s(**fields: Any) -> float | None:
+        return EngineConfig(model="m", **fields).engine_args()["additional_config"]["capserve"]["switch_context_every_s"]
+
+    assert every_s() == 0.05 and every_s(switch_context_every_s=0.02) == 0.02
+    assert every_s(switch_context_every_s=None) is None
     with pytest.raises(ValidationError, match="switch_context_every_s"):
         EngineConfig(model="m", switch_context_every_s=0)
     assert context_switches(0.05, torch.device("cpu")) is None

@@ -403,7 +403,7 @@ def test_the_auto_window_widens_to_the_shards_the_replicas_hold(tmp_path):
     opts = options(sink="replica", concurrency=2, shard_lines=4)
     backend = Holding()
     summary = capture(source, tmp_path / "out", opts, backend)
-    assert summary.complete and summary.shards_written == 15
+    assert summary.complete and summary.shards_written == 15 and summary.notes == []  # 5 slots keep 2 lines capturing
     assert backend.most_before_an_answer == 2 and backend.most_running == 5
     check_folder(tmp_path / "out", texts, opts)
     # an explicit --shards-in-flight is kept as given
@@ -414,6 +414,20 @@ def test_the_auto_window_widens_to_the_shards_the_replicas_hold(tmp_path):
     from provider.dataset.remote import auto_window
 
     assert [auto_window(opts, 3), auto_window(options(concurrency=64, shard_lines=4), 1), auto_window(opts, 2, 5)] == [6, 16, 10]
+
+
+def test_slots_too_few_for_the_concurrency_are_said_once_with_the_setting_to_change(tmp_path):
+    """A job holds its slot from its first line until its shard is written: 2 slots of 2-line
+    shards hold 4 lines, what --concurrency 8 over 2 replicas needs capturing on each with no slot
+    left for a shard being written, so the run says (once) what to raise; it still completes."""
+    texts = prompts(24)
+    opts = options(sink="replica", concurrency=8, shard_lines=2)
+    summary = capture(write_lines(tmp_path / "in.txt", texts), tmp_path / "out", opts, FakeSinkBackend())
+    assert summary.complete and summary.shards_written == 12
+    assert len(summary.notes) == 1 and "at most 2 shard jobs" in summary.notes[0]
+    assert "sink.max_unwritten to sink.threads + 2" in summary.notes[0]
+    assert f"note       {summary.notes[0]}" in summary.text(tmp_path / "out")
+    check_folder(tmp_path / "out", texts, opts)
 
 
 def test_sink_choice():

@@ -58,6 +58,7 @@ class Summary:
     replicas: Counter = field(default_factory=Counter)
     elapsed_s: float = 0.0
     complete: bool = False
+    notes: list[str] = field(default_factory=list)  # what would make the run faster (`remote.short_of_lines`)
 
     def text(self, out: Path | str) -> str:
         rate = self.rows / self.elapsed_s if self.elapsed_s else 0.0
@@ -71,6 +72,7 @@ class Summary:
             f"  rows       {self.rows} in {self.elapsed_s:.1f} s ({rate:.1f} rows/s), {self.bytes_written / 1e9:.3f} GB written",
             f"  retries    {self.retries}",
             f"  replicas   {split}",
+            *(f"  note       {note}" for note in self.notes),
         ])
 
 

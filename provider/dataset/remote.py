@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ from replicas.api import ModelInfo
 from replicas.errors import InvalidRequestError
 from replicas.shard_store import LocalStore, Store, open_store
 from replicas.sink import JobLine, ShardIndex, ShardJob
+
+logger = logging.getLogger(__name__)
 
 
 def choose_sink(options: CaptureOptions, out: Path | Store, backend: Backend) -> str:
@@ -61,6 +64,22 @@ def auto_window(options: CaptureOptions, replicas: int, replica_slots: int = 0) 
     if options.shards_in_flight:
         return options.shards_in_flight
     return max(2 * replicas, math.ceil(options.concurrency / options.shard_lines), replica_slots * replicas)
+
+
+def short_of_lines(options: CaptureOptions, replicas: int, replica_slots: int) -> str | None:
+    """What to change when the replicas' slots cannot keep `concurrency` lines on their engines: a
+    job holds its replica's slot (sink.max_unwritten) from its first line until its shard is
+    written, so short shards fill the slots with few lines; None when they can, with a slot to spare
+    for a shard being written."""
+    per_replica = math.ceil(options.concurrency / replicas)
+    capturing = math.ceil(per_replica / options.shard_lines)  # jobs a replica needs at once to capture that many
+    if replica_slots == 0 or replica_slots > capturing:
+        return None
+    return (f"each replica holds at most {replica_slots} shard jobs (sink.max_unwritten), capturing or being written: "
+            f"{replica_slots * options.shard_lines} lines of {options.shard_lines}-line shards, too few to keep the "
+            f"{per_replica} lines of --concurrency {options.concurrency} capturing on it while shards are written, so its "
+            f"engine runs short of lines. Set the app's sink.max_unwritten to sink.threads + {capturing}, "
+            "or use longer shards (--shard-lines)")
 
 
 class ShardSender:
@@ -122,7 +141,12 @@ class ShardSender:
         self.progress.update(len(group), self.summary)
 
     def _widen(self, replica_slots: int) -> None:
-        """The window once a replica said how many shards it holds (`auto_window`); it never narrows."""
+        """The window once a replica said how many shards it holds (`auto_window`); it never narrows.
+        Slots too few for `concurrency` are said once (log and summary)."""
+        note = short_of_lines(self.options, self.replicas, replica_slots)
+        if note and note not in self.summary.notes:
+            logger.warning("capserve capture: %s", note)
+            self.summary.notes.append(note)
         wider = auto_window(self.options, self.replicas, replica_slots)
         if wider <= self._window:
             return
