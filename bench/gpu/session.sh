@@ -31,6 +31,8 @@
 #   state    bench/gpu/copy_state.py: which copy leaves a decode forward slower until another process's kernel;
 #            needs torch alone, so it can also run before the bundle is installed (1.5)
 #   stall    bench/gpu/register_stall.py: what registering arena memory costs a step loop (0.3)
+#   ctxcost  bench/gpu/context_cost.py: switch_context_every_s's second context: device memory, creation, a launch's
+#            host time; torch alone, like state (0.2)
 # Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
 # measured; issue the polls back to back, with nothing between them.
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -76,6 +78,7 @@ for part in "$@"; do
     copies) step copies python3 bench/gpu/copy_paths.py --out "$R" > "$R/copies.log" 2>&1 ;;
     state) step state python3 bench/gpu/copy_state.py --out "$R" > "$R/state.log" 2>&1 ;;
     stall) step stall python3 bench/gpu/register_stall.py --out "$R" > "$R/stall.log" 2>&1 ;;
+    ctxcost) step ctxcost python3 bench/gpu/context_cost.py --out "$R" > "$R/ctxcost.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
   esac
 done
