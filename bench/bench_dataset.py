@@ -333,9 +333,11 @@ def max_unwritten(args: argparse.Namespace, replicas: int) -> int:
     of --concurrency's lines in the shortest shards (a job holds its slot from its first line, so
     9 slots of 3-line shards kept 27 lines on the H200's engine, not 64:
     `provider.dataset.remote.short_of_lines`)."""
-    per_replica = math.ceil(args.concurrency / replicas)
-    shortest = min(min(shard_lines_for(case, args), args.prompts) for name, case in case_table(args).items() if name in args.cases)
-    return args.sink_threads + math.ceil(per_replica / shortest)
+    from provider.dataset.remote import jobs_capturing
+
+    table = case_table(args)
+    plans = (Plan(table[name], args.prompts, min(shard_lines_for(table[name], args), args.prompts), None) for name in args.cases)
+    return args.sink_threads + max(jobs_capturing(capture_options(plan, args), replicas) for plan in plans)
 
 
 def wait_for_replicas(replicas: int, timeout_s: float = 900.0) -> None:

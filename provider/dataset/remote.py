@@ -66,13 +66,19 @@ def auto_window(options: CaptureOptions, replicas: int, replica_slots: int = 0) 
     return max(2 * replicas, math.ceil(options.concurrency / options.shard_lines), replica_slots * replicas)
 
 
+def jobs_capturing(options: CaptureOptions, replicas: int) -> int:
+    """Shard jobs a replica runs at once to keep its share of `concurrency` lines capturing: the
+    slots (sink.max_unwritten) it needs beside those of the shards its writers hold."""
+    return math.ceil(math.ceil(options.concurrency / replicas) / options.shard_lines)
+
+
 def short_of_lines(options: CaptureOptions, replicas: int, replica_slots: int) -> str | None:
     """What to change when the replicas' slots cannot keep `concurrency` lines on their engines: a
     job holds its replica's slot (sink.max_unwritten) from its first line until its shard is
     written, so short shards fill the slots with few lines; None when they can, with a slot to spare
     for a shard being written."""
     per_replica = math.ceil(options.concurrency / replicas)
-    capturing = math.ceil(per_replica / options.shard_lines)  # jobs a replica needs at once to capture that many
+    capturing = jobs_capturing(options, replicas)
     if replica_slots == 0 or replica_slots > capturing:
         return None
     return (f"each replica holds at most {replica_slots} shard jobs (sink.max_unwritten), capturing or being written: "
