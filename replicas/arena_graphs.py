@@ -10,8 +10,10 @@ of that index (from a pinned ring, with no allocation), one replay and one event
 A bucket holds up to K step rows; a step of n < K rows repeats its last (row, arena row) pair in
 the unused entries, so the padding rewrites that row with the same bytes. The graph runs on the
 step loop's stream, before the next forward: it reads staging buffers that forward overwrites.
-That is why only small steps take it (`takes`): their few hundred KB cross PCIe in microseconds.
-Larger steps keep `ArenaWriter`'s side-stream writes.
+That is why only small steps take it (`takes`): up to a decode step of 512 requests' rows of one
+hook (4 MB of an 8B model's bf16 rows, ~80 µs over PCIe in a ~10 ms step); by the side stream
+such steps ran ~0.8 ms longer each when capturing (H200, 512 x (512 + 128), `bench_side_by_side`). Larger steps keep
+`ArenaWriter`'s side-stream writes.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 from replicas.arena_writer import ArenaWriter
 from replicas.sites import Site, stacked_rows
 
-BUCKETS = (8, 16, 32, 64, 128, 256)  # step rows per graph
-MAX_ARENA_ROWS = BUCKETS[-1]  # hooks x rows of a step that goes by a graph (256 rows of 8 KB: 2 MB over PCIe)
+BUCKETS = (8, 16, 32, 64, 128, 256, 512)  # step rows per graph
+MAX_ARENA_ROWS = BUCKETS[-1]  # hooks x rows of a step that goes by a graph
 MAX_GRAPHS = 64  # a replica asked for more hook sets than this writes the others as before
 RING = 4  # pinned index buffers per graph; the step loop runs at most two steps ahead of the GPU
 

@@ -7,7 +7,9 @@ stream of the same context does not end it; an empty kernel launched in a second
 this process does (0.21 ms on the host). So the worker keeps a second context with one empty
 kernel and launches it while steps write rows (at most every `every_s`) and once after the last
 such step. Torch has no handle on a second context, so it goes through the driver API (ctypes),
-as `replicas.arena_writer` does for host registration.
+as `replicas.arena_writer` does for host registration. The context's stack, printf FIFO and malloc
+heap limits are set to zero (its empty kernel uses none): at the driver's defaults it held 524 MiB of
+an H200, at zero 260 MiB (bench/gpu/context_cost.py), memory vLLM's profile takes from the KV cache.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from typing import Callable
 import torch
 
 logger = logging.getLogger(__name__)
+
+# cuCtxSetLimit's limits that reserve device memory per context: CU_LIMIT_STACK_SIZE,
+# CU_LIMIT_PRINTF_FIFO_SIZE, CU_LIMIT_MALLOC_HEAP_SIZE (the driver grows the stack again should a kernel need it)
+LIMITS = {"stack": 0, "printf FIFO": 1, "malloc heap": 2}
 
 # compiled by the driver for the GPU that loads it (PTX is forward compatible)
 EMPTY_KERNEL_PTX = b""".version 7.8
@@ -48,6 +54,8 @@ class SecondContext:
         _check(driver.cuCtxCreate_v2(ctypes.byref(context), 0, device), "cuCtxCreate")  # it becomes current
         module, kernel = ctypes.c_void_p(), ctypes.c_void_p()
         try:
+            for name, limit in LIMITS.items():
+                _check(driver.cuCtxSetLimit(limit, ctypes.c_size_t(0)), f"cuCtxSetLimit({name})")
             _check(driver.cuModuleLoadData(ctypes.byref(module), EMPTY_KERNEL_PTX), "cuModuleLoadData")
             _check(driver.cuModuleGetFunction(ctypes.byref(kernel), module, b"capserve_switch"), "cuModuleGetFunction")
         finally:

@@ -40,7 +40,8 @@ class StepProfile(BaseModel):
 
     first_step: int = Field(ge=0, description="First step of the window (the worker counts from 0 at start).")
     steps: int = Field(gt=0, le=10_000, description="Steps the window spans.")
-    folder: str = Field(description="Folder, on the engine's node, that receives step_profile-<pid>.txt.")
+    folder: str = Field(description="Folder, on the engine's node, that receives step_profile-<pid>.txt "
+                        "(created at the engine's start if missing).")
     python: bool = Field(False, description="Also time the step loop's Python functions (cProfile, the step "
                          "loop's thread) into python_profile-<pid>.txt; the window's steps run slower.")
 
@@ -130,8 +131,8 @@ class EngineConfig(BaseModel):
         "often while steps write captured rows, and once after the last such step (replicas/context_switch.py): on "
         "an H200 a capture of many rows otherwise leaves the forward ~3 % slower, during the capture and after it, "
         "until the GPU switches contexts (README, 'Which captures start it'). None turns it off. The context takes "
-        "~0.5 GiB of device memory on an H200 (made while the model loads, so vLLM's memory profile counts it and the "
-        "KV cache is that much smaller) and 0.2 s to create; a launch ~5 us on the host.",
+        "260 MiB of device memory on an H200 (made while the model loads, so vLLM's memory profile counts it and the "
+        "KV cache is that much smaller) and 0.1-0.25 s to create; a launch 5-7 us on the host.",
     )
     max_set_edits: int = Field(
         4, ge=1, le=64,

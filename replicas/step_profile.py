@@ -37,6 +37,7 @@ class StepProfiler:
 
     def __init__(self, profile: StepProfile, on_gpu: bool):
         self.profile = profile
+        os.makedirs(profile.folder, exist_ok=True)  # at start: a missing folder failed the step that wrote the table
         self.activities = [torch.profiler.ProfilerActivity.CPU]
         if on_gpu:
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -104,7 +104,8 @@ def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graphs write registered host memory: GPU suite")
 def test_on_a_gpu_a_decode_steps_graph_writes_exactly_its_rows_step_after_step():
     """Two hooks, the second narrower (zero-padded); steps of 3, 8 and 5 rows share the 8-row
-    graph, more steps than its ring of pinned index buffers; each step lands its rows and nothing else."""
+    graph, more steps than its ring of pinned index buffers; each step lands its rows and nothing else.
+    Then a decode step of 512 requests at one hook, the largest bucket."""
     from types import SimpleNamespace
 
     from replicas.arena_graphs import RING, ArenaGraphs
@@ -117,7 +118,7 @@ def test_on_a_gpu_a_decode_steps_graph_writes_exactly_its_rows_step_after_step()
              SimpleNamespace(staging=torch.zeros(64, D_MODEL // 2, device=device))]
     landed = outbox.arena.bytes[: 512 * D_MODEL * 4].view(np.float32).reshape(-1, D_MODEL)
     rng = np.random.default_rng(0)
-    assert graphs.takes(sites, 8, D_MODEL, torch.float32) and not graphs.takes(sites, 200, D_MODEL, torch.float32)
+    assert graphs.takes(sites, 8, D_MODEL, torch.float32) and not graphs.takes(sites, 257, D_MODEL, torch.float32)
     for n in [3, 8, 5] * (RING + 1):
         for site in sites:
             site.staging.copy_(torch.randn(site.staging.shape, device=device))
@@ -130,3 +131,9 @@ def test_on_a_gpu_a_decode_steps_graph_writes_exactly_its_rows_step_after_step()
         expected[arena_rows[1], : D_MODEL // 2] = sites[1].staging[torch.from_numpy(step_rows).to(device)].cpu().numpy()
         np.testing.assert_array_equal(landed, expected)
     assert len(graphs._graphs) == 1  # one bucket, one hook set
+    site = SimpleNamespace(staging=torch.randn(512, D_MODEL, device=device))
+    step_rows, arena_rows = rng.permutation(512), rng.permutation(512)[None]
+    assert graphs.takes([site], 512, D_MODEL, torch.float32) and not graphs.takes([site], 513, D_MODEL, torch.float32)
+    landed[:] = 0
+    graphs.write([site], D_MODEL, torch.float32, step_rows, arena_rows).synchronize()
+    np.testing.assert_array_equal(landed[arena_rows[0]], site.staging[torch.from_numpy(step_rows).to(device)].cpu().numpy())

@@ -12,14 +12,15 @@ from replicas.step_profile import StepProfiler, covered, describe_timeline
 
 
 def test_the_window_covers_exactly_its_steps_and_names_capserve_phases(tmp_path):
-    profiler = StepProfiler(StepProfile(first_step=2, steps=3, folder=str(tmp_path), python=True), on_gpu=False)
+    folder = tmp_path / "profiles"  # not there yet: the profiler makes it
+    profiler = StepProfiler(StepProfile(first_step=2, steps=3, folder=str(folder), python=True), on_gpu=False)
     x = torch.ones(32, 32)
     for step in range(8):
         profiler.at_step(step)
         with profiler.phase("collect"):
             x = _step_work(x)
         gc.collect(1)  # one generation-1 collection a step, three in the window
-    assert profiler.written is not None and Path(profiler.written).parent == tmp_path
+    assert profiler.written is not None and Path(profiler.written).parent == folder
     table = Path(profiler.written).read_text()
     first_line = table.splitlines()[0]
     assert first_line.startswith("steps 2..4, garbage collections:") and "generation 1: 3 taking" in first_line
@@ -28,7 +29,7 @@ def test_the_window_covers_exactly_its_steps_and_names_capserve_phases(tmp_path)
     assert collect.split()[-1] == "3"  # # of Calls: steps 2, 3 and 4 only
     mm = next(line for line in table.splitlines() if line.strip().startswith("aten::mm"))
     assert mm.split()[-1] == "3"
-    python = (tmp_path / Path(profiler.written).name.replace("step_profile", "python_profile")).read_text()
+    python = (folder / Path(profiler.written).name.replace("step_profile", "python_profile")).read_text()
     calls = next(line for line in python.splitlines() if line.rstrip().endswith("(_step_work)"))
     assert calls.split()[0] == "3"  # cProfile saw the window's steps only
 

@@ -1,7 +1,7 @@
 """What the engine option `switch_context_every_s` costs a GPU: the device memory its second CUDA
-context takes, the time to create it, and a launch's host time; and the memory of such a context
-with its stack, printf FIFO and malloc heap limits set to zero (its empty kernel uses none; not
-yet run). Torch alone (no vLLM), so it runs before the bundle is installed:
+context takes (its stack, printf FIFO and malloc heap limits at zero, `context_switch.LIMITS`), the
+time to create it, and a launch's host time. Torch alone (no vLLM), so it runs before the bundle is
+installed:
 
     python3 bench/gpu/context_cost.py --out DIR      # writes DIR/context_cost_<gpu>.json
 """
@@ -9,7 +9,6 @@ yet run). Torch alone (no vLLM), so it runs before the bundle is installed:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import time
@@ -17,33 +16,12 @@ from pathlib import Path
 
 import torch
 
-from replicas.context_switch import SecondContext
+from replicas.context_switch import LIMITS, SecondContext
 
 
 def free_bytes() -> int:
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
-
-
-# cuCtxSetLimit's limits: CU_LIMIT_STACK_SIZE, CU_LIMIT_PRINTF_FIFO_SIZE, CU_LIMIT_MALLOC_HEAP_SIZE
-LEAST_LIMITS = {"stack": 0, "printf_fifo": 1, "malloc_heap": 2}
-
-
-def least_limits_mib() -> dict[str, object]:
-    """Another second context, its limits set to zero (each call's CUDA result), and the device
-    memory it then holds."""
-    driver = ctypes.CDLL("libcuda.so.1")
-    before = free_bytes()
-    second = SecondContext.open(torch.cuda.current_device())
-    codes = {}
-    driver.cuCtxPushCurrent_v2(second._context)
-    try:
-        for name, limit in LEAST_LIMITS.items():
-            codes[name] = driver.cuCtxSetLimit(limit, ctypes.c_size_t(0))
-    finally:
-        driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-    second.launch(wait=True)
-    return {"least_limits_codes": codes, "least_limits_context_mib": (before - free_bytes()) / 2**20}
 
 
 def main() -> None:
@@ -71,7 +49,7 @@ def main() -> None:
         "context_mib": (before - after_open) / 2**20, "context_and_first_launch_mib": (before - after_launch) / 2**20,
         "create_s": created_s, "launch_host_us_p50": statistics.median(host_us),
         "launch_host_us_p99": sorted(host_us)[int(0.99 * len(host_us))], "launches": len(host_us),
-        **least_limits_mib(),
+        "limits_at_zero": list(LIMITS),
     }
     print(json.dumps(result, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
