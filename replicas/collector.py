@@ -24,7 +24,7 @@ import torch
 
 from replicas import _vllm
 from replicas.arena_graphs import ArenaGraphs
-from replicas.arena_writer import ArenaWriter, Destinations
+from replicas.arena_writer import ArenaWriter, Destinations, table_slots
 from replicas.outbox import Outbox, StepRows, fail_all
 from replicas.plans import (
     EXPLICIT,
@@ -81,6 +81,7 @@ class SteadyDecode:
     width: int = 0
     out: torch.dtype = torch.float32
     row_bytes: int = 0
+    table_slots: tuple[np.ndarray, np.ndarray] | None = None  # their block table rows (`arena_writer.table_slots`)
 
 
 class Collector:
@@ -213,9 +214,9 @@ class Collector:
             return SteadyDecode(key, places, rows)
         buffers = [requests.entry_at[int(r)].buffers for r in rows.tolist()]
         sites, dtype, reduce = self.group_sites[int(requests.columns["group"][rows[0]])]
-        if reduce != "none" or any(b.rows_per_block == 0 or b.error is not None for b in buffers):
+        if reduce != "none" or any(b.rows_per_block == 0 or b.error is not None or b.table_slot < 0 for b in buffers):
             return None
-        return SteadyDecode(key, places, rows, buffers, sites, *_row_shape(sites, dtype))
+        return SteadyDecode(key, places, rows, buffers, sites, *_row_shape(sites, dtype), table_slots(buffers))
 
     def _collect_steady(self, batch: Batch, columns: Columns, steady: SteadyDecode) -> bool:
         """`_collect` for a step like the one before it; False (nothing done) when a request failed meanwhile."""
@@ -229,7 +230,7 @@ class Collector:
         taken[steady.rows] = dests + 1
         self.rows_captured += len(steady.rows)
         self._write_rows(steady.buffers, steady.places, np.ones(len(steady.places), np.int64), dests, steady.sites,
-                         steady.width, steady.out, steady.row_bytes)
+                         steady.width, steady.out, steady.row_bytes, steady.table_slots)
         return True
 
     def _collect(self, batch: Batch, requests: RequestTable) -> None:
@@ -341,11 +342,13 @@ class Collector:
         self._write_rows(buffers, selection.rows, selection.counts, selection.dests, sites, width, out, row_bytes)
 
     def _write_rows(self, buffers: list, step_rows: np.ndarray, counts: np.ndarray, dests: np.ndarray, sites: list[Site],
-                    width: int, out: torch.dtype, row_bytes: int) -> None:
-        """Request i's counts[i] rows, step_rows[offsets[i]:], go to its rows dests[i]... in the arena."""
+                    width: int, out: torch.dtype, row_bytes: int, slots: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Request i's counts[i] rows, step_rows[offsets[i]:], go to its rows dests[i]... in the arena;
+        `slots`: a steady decode step's requests' `table_slots` (one row each, their blocks taken)."""
         writer = self.outbox.writer
         try:
-            index = writer.destinations(buffers, counts, dests, len(sites))
+            index = (writer.decode_destinations(*slots, dests, len(sites), buffers[0].rows_per_block) if slots is not None
+                     else writer.destinations(buffers, counts, dests, len(sites)))
         except OSError as exc:  # shared memory full: these requests fail, the others go on
             fail_all(buffers, f"capture could not be stored in shared memory: {exc}")
             return

@@ -642,7 +642,7 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
     full = []
     monkeypatch.setattr(collector, "_collect", lambda *a, f=collector._collect: (full.append(1), f(*a)))
     names = {"a": "all", "b": "generated", "c": "all", "d": "all", "e": "last_prompt"}
-    entries, expected, prompt = {}, {n: [] for n in names}, {"a": 5, "b": 3, "c": 7, "d": 4, "e": 6}
+    entries, expected, prompt = {}, {n: [] for n in names}, {"a": 5, "b": 3, "c": 28, "d": 4, "e": 6}
     selects = {"all": lambda p, n: True, "generated": lambda p, n: p >= n, "last_prompt": lambda p, n: p == n - 1}
     batches = []
     rng = np.random.default_rng(3)
@@ -670,8 +670,8 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
 
     for name in "abce":
         admit(name)
-    step([("a", 0, 5), ("u", 0, 2), ("b", 0, 3), ("c", 0, 7), ("e", 0, 6)])
-    position = {"a": 5, "u": 2, "b": 3, "c": 7, "e": 6}
+    step([("a", 0, 5), ("u", 0, 2), ("b", 0, 3), ("c", 0, 28), ("e", 0, 6)])
+    position = {"a": 5, "u": 2, "b": 3, "c": 28, "e": 6}  # c's rows cross into its second block while decoding
 
     def decode(order: str, times: int) -> None:
         for _ in range(times):
