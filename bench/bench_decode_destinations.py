@@ -14,6 +14,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,7 +36,7 @@ def buffers_for(outbox: Outbox, requests: int) -> list[RequestBuffers]:
     return buffers
 
 
-def step_us(step, steps: int) -> float:
+def step_us(step: Callable[[], object], steps: int) -> float:
     began = time.perf_counter()
     for _ in range(steps):
         step()

@@ -11,9 +11,9 @@ A bucket holds up to K step rows; a step of n < K rows repeats its last (row, ar
 the unused entries, so the padding rewrites that row with the same bytes. The graph runs on the
 step loop's stream, before the next forward: it reads staging buffers that forward overwrites.
 That is why only small steps take it (`takes`): up to a decode step of 512 requests' rows of one
-hook (4 MB of an 8B model's bf16 rows, ~80 µs over PCIe in a ~10 ms step); by the side stream
-such steps ran ~0.8 ms longer each when capturing (H200, 512 x (512 + 128), `bench_side_by_side`). Larger steps keep
-`ArenaWriter`'s side-stream writes.
+hook (4 MB of an 8B model's bf16 rows, ~80 µs over PCIe in a ~10 ms step); by the side stream such
+steps ran ~0.8 ms longer each when capturing (H200, 512 x (512 + 128), `bench_side_by_side`).
+Larger steps keep `ArenaWriter`'s side-stream writes.
 """
 
 from __future__ import annotations

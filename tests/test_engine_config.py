@@ -144,3 +144,44 @@ def test_context_switches_come_while_rows_are_written_at_most_every_interval_and
     for wrote_rows in (True, False, True):  # the step loop goes on; after the first refusal nothing is tried
         broken.after_step(wrote_rows)
     assert broken.count == 0 and "error 700" in broken.failed
+
+
+class FakeDriver:
+    """libcuda's calls `SecondContext.open` makes, recorded; `refuse` names one that fails."""
+
+    def __init__(self, refuse: str = ""):
+        self.calls: list[tuple[str, tuple]] = []
+        self.refuse = refuse
+
+    def __getattr__(self, name: str):
+        def call(*args: Any) -> int:
+            self.calls.append((name, args))
+            return 1 if name == self.refuse else 0
+
+        return call
+
+
+def test_the_second_context_sets_its_memory_limits_to_zero_and_is_destroyed_when_the_driver_refuses(monkeypatch):
+    """Its stack, printf FIFO and malloc heap limits go to zero before the kernel loads (half its
+    device memory on an H200); a refused call destroys the context (which also makes torch's
+    current again) and raises, so the worker runs without switches."""
+    import ctypes
+
+    from replicas import context_switch
+
+    driver = FakeDriver()
+    monkeypatch.setattr(context_switch.ctypes, "CDLL", lambda name: driver)
+    context_switch.SecondContext.open(0)
+    names = [name for name, _ in driver.calls]
+    assert names == ["cuDeviceGet", "cuCtxCreate_v2", "cuCtxSetLimit", "cuCtxSetLimit", "cuCtxSetLimit",
+                     "cuModuleLoadData", "cuModuleGetFunction", "cuCtxPopCurrent_v2"]
+    limits = [(args[0], args[1].value) for name, args in driver.calls if name == "cuCtxSetLimit"]
+    assert limits == [(0, 0), (1, 0), (2, 0)]  # CU_LIMIT_STACK_SIZE, _PRINTF_FIFO_SIZE, _MALLOC_HEAP_SIZE
+
+    driver = FakeDriver(refuse="cuModuleLoadData")
+    monkeypatch.setattr(context_switch.ctypes, "CDLL", lambda name: driver)
+    with pytest.raises(RuntimeError, match="cuModuleLoadData failed"):
+        context_switch.SecondContext.open(0)
+    names = [name for name, _ in driver.calls]
+    assert names[-2:] == ["cuModuleLoadData", "cuCtxDestroy_v2"] and "cuCtxPopCurrent_v2" not in names
+    assert isinstance(driver.calls[-1][1][0], ctypes.c_void_p)
