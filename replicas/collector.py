@@ -9,14 +9,15 @@ Device memory outside vLLM's profile stays bounded: a step's gather (hooks x row
 logits (rows x vocab, float32) are computed `max_step_bytes` at a time, in chunks of rows, each
 copied into one host tensor before the next is computed. A large step's rows for the arena on a
 GPU are the exception: gathered whole, so each request's rows go by one copy, and freed as the
-copy engines read them. Capture groups live while a request
-uses them: `group` hands one out, `release_group` gives it back, and an unused group is forgotten.
+copy engines read them. Capture groups live while a request uses them: `group` hands one out,
+`release_group` gives it back, and an unused group is forgotten. A decode step like the one before
+it skips the selection (`replicas.steady_decode`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,6 @@ from replicas.arena_writer import ArenaWriter, Destinations, table_slots
 from replicas.outbox import Outbox, StepRows, fail_all
 from replicas.plans import (
     EXPLICIT,
-    MODE_CODES,
     CapturePlan,
     concatenated_ranges,
     selected_offsets,
@@ -37,6 +37,7 @@ from replicas.plans import (
 from replicas.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
 from replicas.sae import DeviceSae, encode_packed, packed_width, row_bytes
 from replicas.sites import Site, stacked_rows, to_device
+from replicas.steady_decode import SteadyDecode, decode_key
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_STEP_BYTES = 256 << 20  # EngineConfig.max_step_temp_bytes
@@ -60,28 +61,6 @@ class Selection:
         rows = self.rows[concatenated_ranges(self.offsets[keep], counts)]
         requests = [entry for entry, kept in zip(self.requests, keep.tolist()) if kept]
         return Selection(requests, rows, np.cumsum(counts) - counts, counts, self.dests[keep])
-
-
-# modes that select no generated position: a decode step selects none of their rows
-PROMPT_ONLY = (MODE_CODES["prompt"], MODE_CODES["last_prompt"])
-
-
-@dataclass
-class SteadyDecode:
-    """A decode step's capture, as the full selection found it: every capturing request in one
-    group, selecting its one new row, filing into the arena. The next step of the same requests
-    in the same order (`key`) writes the same way, so it skips the selection: at a few dozen
-    requests that numpy, not the GPU, set the step loop's pace."""
-
-    key: bytes
-    places: np.ndarray  # the capturing requests' places in the step (= their rows: one each); none in a quiet step
-    rows: np.ndarray  # their rows in the request columns
-    buffers: list = field(default_factory=list)
-    sites: list[Site] = field(default_factory=list)
-    width: int = 0
-    out: torch.dtype = torch.float32
-    row_bytes: int = 0
-    table_slots: tuple[np.ndarray, np.ndarray] | None = None  # their block table rows (`arena_writer.table_slots`)
 
 
 class Collector:
@@ -169,7 +148,7 @@ class Collector:
         if steady is not None and batch.repeats and batch.step.one_token_each:
             decode = (steady.key, steady.places)  # the steady step's requests, each on its next token
         else:
-            decode = self._decode_key(batch, columns)
+            decode = decode_key(batch, columns, arena=self.outbox.writer is not None)
         like_before = steady is not None and decode is not None and steady.key == decode[0]
         if like_before and self._collect_steady(batch, columns, steady):
             self.steady = steady
@@ -178,34 +157,6 @@ class Collector:
         self._collect(batch, requests)
         if decode is not None:
             self.steady = self._steady_after(*decode, batch, requests)
-
-    def _decode_key(self, batch: Batch, columns: Columns) -> tuple[bytes, np.ndarray] | None:
-        """What a `SteadyDecode` step is known by, and the places of the requests whose row it
-        captures; None for any other step: a prefill chunk, SAE features, logits of generated
-        positions, positions other than "all" and "generated" (a decode row is a generated one:
-        "prompt" and "last_prompt" select none, explicit indices may), two capture groups, rows
-        recorded before (a request recomputed after preemption)."""
-        rows = batch.rows
-        if not batch.step.one_token_each or (columns["sae"][rows] > 0).any():
-            return None
-        group, modes, logits = columns["group"][rows], columns["positions"][rows], columns["logits"][rows]
-        if np.isin(logits, (NO_LOGITS, *PROMPT_ONLY), invert=True).any():
-            return None
-        reads = (group >= 0) & np.isin(modes, PROMPT_ONLY, invert=True)
-        places = np.flatnonzero(reads)
-        if len(places) and self.outbox.writer is None:
-            return None
-        selecting = modes[places]
-        if ((selecting != MODE_CODES["all"]) & (selecting != MODE_CODES["generated"])).any():
-            return None
-        if (group[places] != group[places[:1]]).any():
-            return None
-        asking = np.flatnonzero((group >= 0) | (logits != NO_LOGITS))
-        if not batch.is_decode(columns["prompt_len"][rows[asking]], asking):
-            return None
-        if (columns["seen"][rows[places]] != batch.step.start_positions[places]).any():
-            return None
-        return np.concatenate([rows, group, modes, logits]).tobytes(), places
 
     def _steady_after(self, key: bytes, places: np.ndarray, batch: Batch, requests: RequestTable) -> SteadyDecode | None:
         """The step just collected as a `SteadyDecode`, if its requests file into the arena."""
@@ -222,12 +173,9 @@ class Collector:
         """`_collect` for a step like the one before it; False (nothing done) when a request failed meanwhile."""
         if not len(steady.places):
             return True
-        if any(b.error is not None for b in steady.buffers):
+        dests = steady.advance(batch, columns)
+        if dests is None:
             return False
-        columns["seen"][steady.rows] = batch.step.start_positions[steady.places] + 1
-        taken = columns["rows_taken"]
-        dests = taken[steady.rows]
-        taken[steady.rows] = dests + 1
         self.rows_captured += len(steady.rows)
         self._write_rows(steady.buffers, steady.places, np.ones(len(steady.places), np.int64), dests, steady.sites,
                          steady.width, steady.out, steady.row_bytes, steady.table_slots)
