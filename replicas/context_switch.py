@@ -58,8 +58,8 @@ class SecondContext:
                 _check(driver.cuCtxSetLimit(limit, ctypes.c_size_t(0)), f"cuCtxSetLimit({name})")
             _check(driver.cuModuleLoadData(ctypes.byref(module), EMPTY_KERNEL_PTX), "cuModuleLoadData")
             _check(driver.cuModuleGetFunction(ctypes.byref(kernel), module, b"capserve_switch"), "cuModuleGetFunction")
-        except RuntimeError:
-            driver.cuCtxDestroy_v2(context)  # and it stops being current: the worker goes on without switches
+        except Exception:  # a refusal, or a driver without the call: torch's context must be current again
+            driver.cuCtxDestroy_v2(context)  # which also pops it; the worker goes on without switches
             raise
         _check(driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
         return cls(driver, context, kernel)

@@ -164,7 +164,7 @@ class FakeDriver:
 def test_the_second_context_sets_its_memory_limits_to_zero_and_is_destroyed_when_the_driver_refuses(monkeypatch):
     """Its stack, printf FIFO and malloc heap limits go to zero before the kernel loads (half its
     device memory on an H200); a refused call destroys the context (which also makes torch's
-    current again) and raises, so the worker runs without switches."""
+    current again) and raises, so the worker runs without switches; so does a driver that lacks a call."""
     import ctypes
 
     from replicas import context_switch
@@ -185,3 +185,15 @@ def test_the_second_context_sets_its_memory_limits_to_zero_and_is_destroyed_when
     names = [name for name, _ in driver.calls]
     assert names[-2:] == ["cuModuleLoadData", "cuCtxDestroy_v2"] and "cuCtxPopCurrent_v2" not in names
     assert isinstance(driver.calls[-1][1][0], ctypes.c_void_p)
+
+    class OldDriver(FakeDriver):  # lacks cuCtxSetLimit: AttributeError, and the context must not stay current
+        def __getattr__(self, name: str):
+            if name == "cuCtxSetLimit":
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    driver = OldDriver()
+    monkeypatch.setattr(context_switch.ctypes, "CDLL", lambda name: driver)
+    with pytest.raises(AttributeError):
+        context_switch.SecondContext.open(0)
+    assert [name for name, _ in driver.calls][-1] == "cuCtxDestroy_v2"
