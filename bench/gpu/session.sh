@@ -7,7 +7,7 @@
 # Parts (minutes on an H200, engine starts included):
 #   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
 #   capture  the arena writer's and the capture tests alone, engines without Inductor (~2.5)
-#   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5)
+#   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5); SBS_ROUNDS (3)
 #   nographs bench_side_by_side, the z engine with arena_graphs off and forward_timing on, 32 requests: armed,
 #            capture, armed after it, and after another process's GPU work (3.5)
 #   reset    nographs' engine: which other GPU work ends the slow state after a capture; after an ablation (5)
@@ -43,9 +43,9 @@ for part in "$@"; do
     quick) step quick bash bench/gpu/suite.sh "$R" quick > "$R/quick.log" 2>&1 ;;
     capture) step capture env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_arena_writer.py tests/test_engine_capture.py \
                -q -p no:cacheprovider --junitxml="$R/gpu_suite_capture_quick.xml" > "$R/capture.log" 2>&1 ;;
-    sbs) step sbs python3 -m bench.bench_side_by_side --config llama8b --deployments z --rounds 3 --out "$R" > "$R/sbs.log" 2>&1 ;;
+    sbs) step sbs python3 -m bench.bench_side_by_side --config llama8b --deployments z --rounds ${SBS_ROUNDS:-3} --out "$R" > "$R/sbs.log" 2>&1 ;;
     sbs32) step sbs32 python3 -m bench.bench_side_by_side --config llama8b --deployments z --workloads 32x512+256 \
-             --rounds 3 --out "$R" > "$R/sbs32.log" 2>&1 ;;
+             --rounds ${SBS_ROUNDS:-3} --out "$R" > "$R/sbs32.log" 2>&1 ;;
     nographs) step nographs python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs \
                 --workloads 32x512+256 --rounds 3 --out "$R" > "$R/nographs.log" 2>&1 ;;
     reset) step reset python3 -m bench.bench_side_by_side --config llama8b --deployments z-reset \
