@@ -16,7 +16,8 @@ loop time outside the forward (prepare, collect) per step and the engine's perio
 step to the next (`decode_period`), in microseconds; and per round the
 batch's phases in milliseconds (`ms_per_phase`): until every request had its first output
 (admission, prefill), from then to vLLM's last final output (decode), and after it (the take RPC,
-reading results: a batch of requests finishing together pays it once). A case's cost shows in the
+reading results: a batch of requests finishing together pays it once), with the MB its results
+copied out of the arena and those copies' milliseconds summed over threads (`arena_reads`). A case's cost shows in the
 phase it lands in: per request (admission, the tail) or per step (decode). Per batch also the CPU
 the engine's step loop (its engine core's main thread) and the driver's event loop ran on before
 and after, and their context switches during it (`cpus`); `--pin` gives each a core of its own.
@@ -288,6 +289,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             cpus: dict[str, list[dict[str, Any]]] = {case: [] for case in submits}
             kick_counts: dict[str, list[int]] = {}
             engine_kick_s: dict[str, list[float]] = {}
+            reads: dict[str, list[dict[str, float]]] = {}  # per batch: results' rows copied out of the arena
             for r in range(args.rounds):
                 for case, submit in submits.items():
                     engine, extra = cases.get(case, (None, {}))
@@ -297,7 +299,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         engine_kick_s.setdefault(case, []).append(before.pop("kick_s"))
                     placed = placements(core_pid[id(runner)])
                     kicks = PeriodicKicks(extra[KICKS]).start() if KICKS in extra else None
+                    read_before = engine.arena_reads if engine else {}
                     timed = await batch(workload, submit, prompts, times[id(runner)])
+                    if engine:
+                        reads.setdefault(case, []).append(arena_reads_since(read_before, engine.arena_reads))
                     if kicks:
                         kick_counts.setdefault(case, []).append(kicks.stop())
                     cpus[case].append(moved(placed, placements(core_pid[id(runner)])))
@@ -318,6 +323,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[name][case]["kicks_per_batch"] = counts
             for case, seconds in engine_kick_s.items():
                 results[name][case]["engine_kick_ms"] = [round(s * 1e3, 3) for s in seconds]
+            for case, per_batch in reads.items():
+                results[name][case]["arena_reads"] = per_batch
             gc.collect()
     finally:
         for engine in engines.values():
@@ -343,6 +350,13 @@ async def before_batch(engine: Any | None, extra: dict[str, Any]) -> dict[str, A
             print(f"the engine kick {extra[ENGINE_KICK]!r} failed: {exc}", flush=True)
     await engine.forward_times()
     return await engine.stats() | ({"kick_s": kick_s} if kick_s is not None else {})
+
+
+def arena_reads_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A batch's results read out of the arena: MB copied, and the copies' milliseconds summed over
+    the threads that made them (the batch's tail after vLLM holds them, spread over those threads)."""
+    return {"copied_mb": round((after["copied_bytes"] - before["copied_bytes"]) / 1e6, 1),
+            "copy_ms_summed": round((after["copy_s"] - before["copy_s"]) * 1e3, 2)}
 
 
 def placements(step_loop: int) -> dict[str, dict[str, int]]:

@@ -18,7 +18,6 @@ replica's arena (`ArenaBudget`: it waits until they fit). The take RPC has a dea
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import os
@@ -33,21 +32,22 @@ from typing import Any
 import numpy as np
 
 from replicas import arrays
-from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, ModelInfo
+from replicas.api import GenerateRequest, GenerateResult, ModelInfo
 from replicas.architectures import BlockShape, absent_kinds, block_shape
 from replicas.arena import (
     ArenaLayout, ArenaReader, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path, delete_files, stored_in,
 )
 from replicas.arena_client import ArenaBudget, BatchedTake, taken_results
-from replicas.attention import attention_info, finish_capture, head_shapes
+from replicas.attention import attention_info, head_shapes
 from replicas.edit_slots import EditSlots
 from replicas.engine_config import EngineConfig, checkpoint_facts
 from replicas.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.hooks import served_hook_names
 from replicas.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
-from replicas.plans import PLAN_KEY, build_wire_plan, reduced_on_replica
-from replicas.sae_specs import SaeCatalog, sae_results
-from replicas.tools import ToolCalling, ToolTurn, choice, template_inputs
+from replicas.results import Finish, add_captured, generation_result
+from replicas.plans import PLAN_KEY, build_wire_plan
+from replicas.sae_specs import SaeCatalog
+from replicas.tools import ToolCalling, ToolTurn, template_inputs
 from replicas.validation import validated
 
 MIN_SHARED_MEMORY_BYTES = 2 << 30
@@ -187,7 +187,7 @@ class CaptureEngine:
         plan = self._plan(key, request, prompt_ids)
         params = self._sampling_params(request, plan, turn)
         # an edit-only request is taken too: an edit the worker could not install fails it there
-        finish = _Finish(plan is not None, request.capture, len(prompt_ids), self._arena_blocks(plan, request.n))
+        finish = Finish(plan is not None, request.capture, len(prompt_ids), self._arena_blocks(plan, request.n))
         finish.widened = plan is not None and "capture" in plan and plan["capture"]["positions"] != request.capture.positions
         finish.tool_turn = turn
         budget = self._budget()
@@ -201,7 +201,7 @@ class CaptureEngine:
             if not finish.ran:  # never submitted: its blocks were never used
                 budget.release(finish.arena_blocks)
 
-    async def _run(self, key: str, prompt_ids: list[int], params: Any, finish: "_Finish", on_output: Any = None) -> GenerateResult:
+    async def _run(self, key: str, prompt_ids: list[int], params: Any, finish: Finish, on_output: Any = None) -> GenerateResult:
         from vllm.inputs import TokensPrompt
 
         final, completions, captured = None, {}, []
@@ -235,7 +235,7 @@ class CaptureEngine:
             if not finish.taking and not finish.held:  # a take still under way frees what it gets itself
                 self._free(captured, finish)  # read or not, the worker's storage of them goes back
 
-    async def _take(self, key: str, finish: "_Finish") -> list[dict[str, Any]]:
+    async def _take(self, key: str, finish: Finish) -> list[dict[str, Any]]:
         """The request's results. The take goes on when the caller is cancelled (again, while it
         waits here): then what it brings is freed once it comes, and nothing is left behind."""
         taken = self._taker.take(key)
@@ -256,7 +256,7 @@ class CaptureEngine:
             return self._arena.read(raw, held)
         return arrays.from_file(raw) if "path" in raw else arrays.from_raw(raw)
 
-    def _free(self, captured: list[dict[str, Any]], finish: "_Finish | None" = None) -> None:
+    def _free(self, captured: list[dict[str, Any]], finish: Finish | None = None) -> None:
         """Give back what the worker stored for these results; the request's arena budget goes
         back once the worker has its blocks (after the take RPC that carries them)."""
         for result in captured:
@@ -268,7 +268,7 @@ class CaptureEngine:
             budget = self._budget()
             self._taker.after_release(lambda: budget.release(blocks))
 
-    def _free_when_dropped(self, held: HeldArena, captured: list[dict[str, Any]], finish: "_Finish") -> None:
+    def _free_when_dropped(self, held: HeldArena, captured: list[dict[str, Any]], finish: Finish) -> None:
         """Free what the worker stored for these results once no array views `held` any more."""
         loop = asyncio.get_running_loop()
 
@@ -387,76 +387,21 @@ class CaptureEngine:
         )
 
     def _result(
-        self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]], finish: "_Finish",
+        self, key: str, final: Any, completions: list[Any], captured: list[dict[str, Any]], finish: Finish,
         held: HeldArena | None = None,
     ) -> GenerateResult:
-        turn = finish.tool_turn
-        choices = [choice(turn, c.text, list(c.token_ids), c.finish_reason, _logprobs(c.logprobs)) for c in completions]
-        prompt_ids = list(final.prompt_token_ids)
-        result = GenerateResult(
-            request_id=key,
-            text=choices[0].text,
-            token_ids=choices[0].token_ids,
-            prompt_token_ids=prompt_ids,
-            finish_reason=choices[0].finish_reason,
-            choices=choices,
-            tool_calls=choices[0].tool_calls,
-            logprobs=choices[0].logprobs,
-            prompt_logprobs=[_logprob_row(row) for row in final.prompt_logprobs] if final.prompt_logprobs else None,
-            replica=self.name,
-        )
+        result = generation_result(key, final, completions, finish.tool_turn, self.name)
         if not captured:
             return result
-        first = captured[0]
-        if first["error"] and first.get("replica_fault"):  # the replica's fault: retry elsewhere
-            if first["replica_fault"] == OUTBOX_DEAD:
-                self.capture_failure = first["error"]
-            raise ReplicaUnavailableError(f"replica {self.name}: {first['error']}")
-        if first["error"]:
-            raise CaptureFailedError(first["error"])
-        sequence = prompt_ids + choices[0].token_ids
-        # The engine core may have run steps past what the caller gets back (a stop string is
-        # matched in the front end after the core ran on): keep the rows of fed tokens only.
-        fed = len(sequence) - 1
-        kept = bisect.bisect_left(first["positions"], fed)
-        result.sae = sae_results(first.get("sae") or [], fed)
-        activations = {name: finish.rows(self._worker_array(raw, held), kept) for name, raw in first["activations"].items()}
-        if finish.capture is not None:
-            info = self._info
-            result.activations, result.positions = finish_capture(
-                activations, first["positions"][:kept], finish.capture, len(prompt_ids), info.d_model, info.attention, finish.widened
-            )
-        result.capture_token_ids = [sequence[p] for p in result.positions]
-        if first["logits"] is not None:
-            kept_logits = bisect.bisect_left(first["logits_positions"], fed)
-            result.logits = self._worker_array(first["logits"])[:kept_logits]
-            result.logits_positions = first["logits_positions"][:kept_logits]
+        taken = captured[0]
+        if taken["error"] and taken.get("replica_fault"):  # the replica's fault: retry elsewhere
+            if taken["replica_fault"] == OUTBOX_DEAD:
+                self.capture_failure = taken["error"]
+            raise ReplicaUnavailableError(f"replica {self.name}: {taken['error']}")
+        if taken["error"]:
+            raise CaptureFailedError(taken["error"])
+        add_captured(result, taken, finish, self._info, lambda raw: self._worker_array(raw, held))
         return result
-
-
-class _Finish:
-    """What the replica does with a request's rows once it knows which tokens the caller gets."""
-
-    def __init__(self, takes: bool, capture: CaptureSpec | None, prompt_len: int, arena_blocks: int = 0):
-        self.takes = takes
-        self.capture = capture
-        self.widened = False  # the worker captured more positions than asked, for a pattern's keys
-        self.arena_blocks = arena_blocks  # of the replica's arena budget, held until freed
-        self.held = False  # its result views the arena: freed when those arrays are dropped
-        self.ran = False  # submitted to vLLM
-        self.taking = False  # its take is under way
-        # a mean over rows that may run past the returned tokens is taken here, after trimming
-        self.mean_dtype = capture.dtype if capture is not None and reduced_on_replica(capture, prompt_len) else None
-        self.tool_turn: ToolTurn | None = None  # parses the completions of a request with tools
-
-    def rows(self, array: np.ndarray, kept: int) -> np.ndarray:
-        """The first `kept` rows, or their mean; a mean the worker took ([d]) covers prompt rows only."""
-        if array.ndim == 1:
-            return array
-        if self.mean_dtype is None:
-            return array[:kept]
-        mean = array[:kept].astype(np.float32).sum(0) / max(kept, 1)
-        return mean.astype(arrays.DTYPES[self.mean_dtype])
 
 
 def _spill_parent() -> str | None:
@@ -474,14 +419,6 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def _logprob_row(row: dict[int, Any] | None) -> dict[int, float] | None:
-    return None if row is None else {int(t): float(lp.logprob) for t, lp in row.items()}
-
-
-def _logprobs(rows: Any) -> list[dict[int, float]] | None:
-    return None if rows is None else [_logprob_row(row) or {} for row in rows]
 
 
 def _model_info(llm: Any, config: EngineConfig) -> ModelInfo:

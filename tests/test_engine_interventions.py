@@ -264,7 +264,7 @@ def test_an_edit_the_worker_could_not_install_fails_its_request(loop, engines):
     import uuid
 
     from replicas.api import GenerateRequest
-    from replicas.engine import _Finish
+    from replicas.results import Finish
     from replicas.errors import CaptureFailedError
 
     engine = engines["llama"]
@@ -275,7 +275,7 @@ def test_an_edit_the_worker_could_not_install_fails_its_request(loop, engines):
     plan = engine._plan(key, request, prompt)
     plan["edits"][0]["layer"] = 99
     with pytest.raises(CaptureFailedError, match="interventions could not be installed"):
-        loop.run(engine._run(key, prompt, engine._sampling_params(request, plan), _Finish(True, None, len(prompt))))
+        loop.run(engine._run(key, prompt, engine._sampling_params(request, plan), Finish(True, None, len(prompt))))
     good = loop.run(engine.generate({"prompt": prompt, "max_tokens": 3, "interventions": request.model_dump()["interventions"]}))
     assert len(good.token_ids) == 3
 

@@ -350,7 +350,8 @@ def test_a_take_rpc_past_its_timeout_fails_as_the_replicas_fault_and_is_abandone
 
 
 def test_a_request_cancelled_again_during_its_take_still_frees_its_blocks_and_budget():
-    from replicas.engine import CaptureEngine, EngineConfig, _Finish
+    from replicas.engine import CaptureEngine, EngineConfig
+    from replicas.results import Finish
 
     class Outputs:
         def __init__(self):
@@ -369,7 +370,7 @@ def test_a_request_cancelled_again_during_its_take_still_frees_its_blocks_and_bu
         engine = CaptureEngine(llm, EngineConfig(model="m", engine_kwargs={"skip_tokenizer_init": True}), info)
         engine._arena_budget = budget = ArenaBudget(10, 1024, 10 << 10)
         await budget.acquire(3)
-        task = asyncio.ensure_future(engine._run("key", [1, 2], None, _Finish(True, None, 2, arena_blocks=3)))
+        task = asyncio.ensure_future(engine._run("key", [1, 2], None, Finish(True, None, 2, arena_blocks=3)))
         await outputs.started.wait()
         task.cancel()  # the request is cancelled: it goes on to take its rows
         await llm.called.wait()
