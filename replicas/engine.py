@@ -44,8 +44,8 @@ from replicas.engine_config import EngineConfig, checkpoint_facts
 from replicas.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.hooks import served_hook_names
 from replicas.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
-from replicas.results import Finish, add_captured, generation_result
 from replicas.plans import PLAN_KEY, build_wire_plan
+from replicas.results import Finish, add_captured, generation_result
 from replicas.sae_specs import SaeCatalog
 from replicas.tools import ToolCalling, ToolTurn, template_inputs
 from replicas.validation import validated

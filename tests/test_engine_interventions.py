@@ -264,8 +264,8 @@ def test_an_edit_the_worker_could_not_install_fails_its_request(loop, engines):
     import uuid
 
     from replicas.api import GenerateRequest
-    from replicas.results import Finish
     from replicas.errors import CaptureFailedError
+    from replicas.results import Finish
 
     engine = engines["llama"]
     prompt = prompt_ids(6, seed=80)
