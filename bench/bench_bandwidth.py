@@ -12,9 +12,9 @@ model) x 4096 x 2 B = 138 MB per request, 8.8 GB per batch. Reported per round a
 rounds: GB/s of activations the caller received (array bytes / wall time of the batch) and total
 tokens per second of both, side by side, so the capture's cost is a ratio measured in one run.
 
-`--via engine` calls `replicas.engine.CaptureEngine` in this process, which copies each result
-out of the arena; `--via engine-inplace` lets its results view the arena instead (`zero_copy`, what
-a replica does before Ray copies a result out); `--via serve` runs the
+`--via engine` calls `replicas.engine.CaptureEngine` in this process, copying each result out of
+the arena (`view_share` 0); `--via engine-inplace` lets its results view the arena instead (what a
+replica does before Ray copies a result out); `--via serve` runs the
 whole app (Router -> one EngineReplica) and asks for results by reference (`by_reference=True`:
 the caller reads the replica's result from Ray's object store, zero-copy on one node). Each via
 runs in its own process. Memory: the batch is capped so that two copies of it (the worker's
@@ -168,7 +168,7 @@ async def via_engine(model: str, args: argparse.Namespace, plan: Plan, requests:
                           **dummy_engine_options(args.config, ["resid_post"]))
     started = time.perf_counter()
     engine = await CaptureEngine.start(config)
-    engine.zero_copy = in_place  # results view the arena, as a replica's do, instead of a copy
+    engine.view_share = 1.0 if in_place else 0.0  # results view the arena, as a replica's do, or are copied out
     try:
         boot_s = time.perf_counter() - started
         out = await measure(engine.generate, plan, requests, args.rounds)

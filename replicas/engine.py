@@ -67,9 +67,14 @@ class CaptureEngine:
         self.saes = SaeCatalog.read(config.saes)  # replicas.sae_specs: checked by for_checkpoint
         self._taker = BatchedTake(llm, config.take_timeout_s)
         self._arena = ArenaReader()
-        # results view the arena in place, its blocks held until their arrays are dropped (the
-        # replica: Ray copies a result out as it returns it); otherwise they are copied out
-        self.zero_copy = False
+        # Results view the arena in place (read-only arrays, as Ray hands out), their blocks held
+        # until the arrays are dropped, while views hold at most this share of its blocks; past it
+        # they are copied out, so a caller that keeps results cannot hold the whole arena and leave
+        # admission waiting. (Copying 32 requests' 6.3 MB each out at a batch's end made its tail
+        # after vLLM 11-14 ms on an H200 host; 7 ms with views.) A replica views always (Ray copies
+        # a result as it returns it; its shard sink gives blocks back when admission waits).
+        self.view_share = 0.5
+        self._viewed_blocks = 0  # of the arena budget, held by results' views
         self._arena_budget: ArenaBudget | None = None  # sized on first use, once spill_dir is known
         self.spill_dir: str | None = None  # shared-memory folder for large worker results
         # why captures fail at once on this replica (its worker's outbox died); None while they work
@@ -224,7 +229,7 @@ class CaptureEngine:
             if not in_arena:
                 return self._result(*args)
             # reading a large capture (and computing patterns from it) must not hold up the event loop
-            held = self._arena.hold(in_arena[0]["arena"]["path"]) if self.zero_copy else None
+            held = self._arena.hold(in_arena[0]["arena"]["path"]) if self._may_view(finish) else None
             result = await asyncio.to_thread(self._result, *args, held=held)
             if held is not None:
                 self._free_when_dropped(held, captured, finish)
@@ -268,13 +273,23 @@ class CaptureEngine:
             budget = self._budget()
             self._taker.after_release(lambda: budget.release(blocks))
 
+    def _may_view(self, finish: Finish) -> bool:
+        """Whether a result's rows may view the arena (`view_share`)."""
+        return self._viewed_blocks + finish.arena_blocks <= self.view_share * self._budget().capacity
+
     def _free_when_dropped(self, held: HeldArena, captured: list[dict[str, Any]], finish: Finish) -> None:
         """Free what the worker stored for these results once no array views `held` any more."""
         loop = asyncio.get_running_loop()
+        viewed = finish.arena_blocks
+        self._viewed_blocks += viewed
+
+        def freed() -> None:
+            self._viewed_blocks -= viewed
+            self._free(captured, finish)
 
         def free() -> None:  # on whichever thread drops the last view
             with contextlib.suppress(RuntimeError):  # the loop is closed: the engine and its arena are gone
-                loop.call_soon_threadsafe(self._free, captured, finish)
+                loop.call_soon_threadsafe(freed)
 
         weakref.finalize(held, free)
 

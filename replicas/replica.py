@@ -132,8 +132,8 @@ class EngineReplica:
             from replicas.engine import CaptureEngine as engine_cls
         self._engine = await engine_cls.start(config, name=self.name)
         # results leave this process by Ray's serialization, which copies them: they can view
-        # the worker's arena in place until then (replicas.arena.HeldArena)
-        self._engine.zero_copy = True
+        # the worker's arena in place until then (replicas.arena.HeldArena), however many
+        self._engine.view_share = 1.0
         self._sink.watch(self._engine.arena_budget)
         self._info: ModelInfo = await self._engine.info()
         logger.info("replica %s serving %s", self.name, self._info.model)

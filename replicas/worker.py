@@ -205,22 +205,29 @@ class _CaptureState:
         if call is not None:
             self.delivered[call] = taken  # filled as it goes: a call that fails half way is freed too
         deadline = time.monotonic() + self.outbox.timeout_s  # one wait for the whole call
-        for key in keys:
-            taken[key] = self.take(key, deadline)
+        with self._timed("take"):
+            # Every result is queued to the outbox before the first wait: requests that finish
+            # together (a batch's last step) are written one after another on its thread, not
+            # with a round trip between threads each (32 requests' tail after vLLM: 7.0 -> 5.4 ms, H200).
+            closed = {key: self._close(key) for key in keys}
+            for key, entries in closed.items():
+                taken[key] = self._first_result(entries, deadline)
         return taken
 
-    def take(self, key: str, deadline: float | None = None) -> list[dict[str, Any]]:
-        """What the request with this key captured — from its first completion when n > 1, as
-        GenerateRequest.n documents — then forget every completion of it."""
-        deadline = time.monotonic() + self.outbox.timeout_s if deadline is None else deadline
-        with self._timed("take"):
-            entries = self.table.close(key)
-            for req_id, entry in entries:
-                self._retire(req_id, entry)
-            results = [_result(entry, deadline) for _, entry in entries]
-            for sibling in results[1:]:
-                self.outbox.discard(sibling)
-            return results[:1]
+    def _close(self, key: str) -> list[tuple[str, Entry]]:
+        """Every completion of the request with this key, retired (its result queued) and forgotten."""
+        entries = self.table.close(key)
+        for req_id, entry in entries:
+            self._retire(req_id, entry)
+        return entries
+
+    def _first_result(self, entries: list[tuple[str, Entry]], deadline: float) -> list[dict[str, Any]]:
+        """What the request captured: from its first completion when n > 1, as GenerateRequest.n
+        documents; the siblings' results are freed."""
+        results = [_result(entry, deadline) for _, entry in entries]
+        for sibling in results[1:]:
+            self.outbox.discard(sibling)
+        return results[:1]
 
     def attention(self) -> list[dict[str, Any]]:
         return [asdict(_vllm.attention_geometry(op)) for op in self.layout.attention]

@@ -470,26 +470,30 @@ def test_requests_wait_for_room_in_the_arena_and_one_that_never_fits_is_refused(
 
 @pytest.mark.engine
 def test_a_result_that_views_the_arena_holds_its_blocks_until_its_arrays_are_dropped(loop, small):
-    """What a replica does (`zero_copy`): the result's rows are read in place, and its blocks and
-    arena budget come back once no array of it is left, not before."""
+    """By default (`view_share`) a result's rows are read in place, and its blocks and arena
+    budget come back once no array of it is left, not before; with `view_share` 0 they are copied."""
     import gc
 
     from tests.test_engine_capture import prompt_ids, settled_stats
 
     request = {"prompt": prompt_ids(100, seed=93), "max_tokens": 20, "temperature": 0, "ignore_eos": True,
                "capture": {"hooks": hooks_of(4)}}
-    copied = loop.run(small.generate(request))
-    small.zero_copy = True
+    small.view_share = 0.0
     try:
-        viewed = loop.run(small.generate(request))
+        copied = loop.run(small.generate(request))
     finally:
-        small.zero_copy = False
+        small.view_share = 0.5
+    viewed = loop.run(small.generate(request))
     for name, rows in copied.activations.items():
         assert rows.shape == (119, 128) and rows.flags.writeable
         np.testing.assert_array_equal(viewed.activations[name], rows)
         assert not viewed.activations[name].flags.writeable  # read in place
+    # each result holds 16 of the arena's 64 blocks: views may hold 32, a third result is copied
+    again, past = loop.run(small.generate(request)), loop.run(small.generate(request))
+    assert not again.activations[hooks_of(4)[0]].flags.writeable and past.activations[hooks_of(4)[0]].flags.writeable
+    np.testing.assert_array_equal(past.activations[hooks_of(4)[0]], copied.activations[hooks_of(4)[0]])
     part = viewed.activations[hooks_of(4)[2]][50:60]
-    del viewed
+    del viewed, again, past
     gc.collect()
     assert loop.run(settled_stats(small, timeout_s=1.0))["arena_bytes_in_use"] > 0 and small._budget().used > 0
     np.testing.assert_array_equal(part, copied.activations[hooks_of(4)[2]][50:60])  # its rows are still there
@@ -518,11 +522,11 @@ def test_a_shard_job_that_outgrows_the_arena_copies_its_lines_out_and_completes(
     job = ShardJob(folder=str(tmp_path), shard=0, spec=RowSpec(hooks=hooks), d_model=128, lines=lines, concurrency=8)
     sink = ShardSink()
     sink.watch(small.arena_budget)
-    small.zero_copy = True  # as in a replica: rows view the arena until the shard is written
+    small.view_share = 1.0  # as in a replica: rows view the arena until the shard is written
     try:
         index = loop.run(asyncio.wait_for(run_shard(job, small.generate, sink), 120))
     finally:
-        small.zero_copy = False
+        small.view_share = 0.5
         small.arena_budget.on_wait.remove(sink.relieve)
         sink.close()
     assert index.captured == 8 and index.rows == 800
