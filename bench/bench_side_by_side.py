@@ -51,6 +51,9 @@ Deployments and cases:
            state itself: an empty kernel in a second CUDA context while steps write rows, and once after): armed |
            the capture | armed after it | the capture again | the ablation; run beside z-nographs for the engine
            without it. z-switch-20ms: 0.02
+  z-copy   the z engine with `attention_in_place: false` (each layer's z copied into its staging buffer after
+           vLLM's attention op, as before 2026-12-04, rather than written there by the op): armed, unused | hook_z
+           at 1 layer, every position, bf16; run beside z, which then also checks that both capture the same rows
   pattern  hook_pattern armed at every layer (its q and k captured), resid_post armed, and with
            --sae a TopK SAE on the middle layer's resid_post: armed, unused | pattern at 1 layer
            for last_prompt (computed on the replica) | SAE top-32 at 1 layer, every position
@@ -70,7 +73,7 @@ import numpy as np
 
 from bench.cpu_placement import pin, placement
 from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, Workload, dummy_model_folder, engine_settings, model_shape, write_result
-from bench.gpu_kicks import PeriodicKicks
+from bench.gpu_kicks import PeriodicKicks, gpu_burst
 
 Submit = Callable[[list[int]], Awaitable[Any]]
 PLAIN = "plain vLLM, CUDA graphs"
@@ -166,7 +169,9 @@ def deployments(n_layers: int, sae: dict[str, Any] | None) -> dict[str, tuple[di
                       "ablate 1 head of hook_z, 1 layer": z_cases["ablate 1 head of hook_z, 1 layer"]}
     nographs = z | {"arena_graphs": False, "forward_timing": True, "switch_context_every_s": None}
     switching = {name: (nographs | {"switch_context_every_s": every}, z_switch_cases) for name, every in SWITCH_EVERY_S.items()}
-    return {"z": (z, z_cases), "z-nographs": (nographs, z_nographs_cases), "z-reset": (nographs, z_reset_cases),
+    z_copy_cases = {"hook_z armed, unused": {}, capture: z_cases[capture]}
+    return {"z": (z, z_cases), "z-copy": (z | {"attention_in_place": False}, z_copy_cases),
+            "z-nographs": (nographs, z_nographs_cases), "z-reset": (nographs, z_reset_cases),
             "z-start": (nographs, z_start_cases), "z-kick": (nographs, z_kick_cases), **switching, "pattern": (pattern, pattern_cases)}
 
 
@@ -326,11 +331,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for case, per_batch in reads.items():
                 results[name][case]["arena_reads"] = per_batch
             gc.collect()
+        if "z" in engines and "z-copy" in engines:
+            results["z_in_place_vs_copy"] = await same_capture(engines["z"], engines["z-copy"], n_layers // 2)
     finally:
         for engine in engines.values():
             await engine.shutdown()
         plain.shutdown()
     return results
+
+
+async def same_capture(in_place: Any, copied: Any, layer: int) -> dict[str, Any]:
+    """One greedy request's hook_z rows (every position) and logits on the z engine and on z-copy: the
+    same weights (vLLM's dummy weights are seeded), so rows written by the attention op must equal rows
+    copied after it."""
+    hook = f"blocks.{layer}.attn.hook_z"
+    request = {"prompt": list(range(1000, 1200)), "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+               "capture": {"hooks": [hook], "positions": "all"}, "logits": {"positions": "all"}}
+    a, b = await asyncio.gather(in_place.generate(request), copied.generate(request))
+    return {"hook": hook, "rows": len(a.positions), "tokens_equal": a.token_ids == b.token_ids,
+            "max_abs_diff_z": float(np.abs(a.activations[hook] - b.activations[hook]).max()),
+            "max_abs_z": float(np.abs(b.activations[hook]).max()),
+            "max_abs_diff_logits": float(np.abs(a.logits - b.logits).max())}
 
 
 async def before_batch(engine: Any | None, extra: dict[str, Any]) -> dict[str, Any] | None:
@@ -361,33 +382,6 @@ def arena_reads_since(before: dict[str, float], after: dict[str, float]) -> dict
 
 def placements(step_loop: int) -> dict[str, dict[str, int]]:
     return {"engine": placement(step_loop), "driver": placement(os.getpid())}
-
-
-def gpu_burst(kind: str, seconds: float) -> None:
-    """GPU work of `kind` (see BURST) for `seconds` on this process's GPU (its own CUDA context), or its CPU."""
-    if seconds <= 0 and kind != "kernel":
-        return
-    import torch
-
-    on_gpu = torch.cuda.is_available()
-    side = 64 if kind == "kernel" else 8192 if on_gpu else 512
-    a = torch.randn(side, side, device="cuda" if on_gpu else "cpu", dtype=torch.bfloat16 if on_gpu else torch.float32)
-    b = torch.empty_like(a)
-    end = time.perf_counter() + seconds
-    while True:
-        if kind == "kernel":
-            a[:1, :1].add_(0)
-        elif kind == "matmul":
-            for _ in range(8):
-                a = (a @ a).clamp_(-1, 1)
-        else:
-            for _ in range(8):
-                b.copy_(a)
-                a.copy_(b)
-        if on_gpu:
-            torch.cuda.synchronize()
-        if time.perf_counter() >= end:
-            return
 
 
 def moved(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, Any]:
@@ -474,7 +468,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--deployments", nargs="+", default=DEFAULT_DEPLOYMENTS,
-                        choices=["z", "z-nographs", "z-reset", "z-start", "z-kick", *SWITCH_EVERY_S, "pattern"])
+                        choices=["z", "z-copy", "z-nographs", "z-reset", "z-start", "z-kick", *SWITCH_EVERY_S, "pattern"])
     parser.add_argument("--memory-share", type=float, default=0.3, help="GPU memory fraction per engine (three engines; 0.22 for four)")
     parser.add_argument("--sae", action="store_true", help="also arm a TopK SAE and measure encoding")
     parser.add_argument("--sae-features", type=int, default=16384)
@@ -487,6 +481,9 @@ def main() -> None:
     deployed = ("" if args.deployments == DEFAULT_DEPLOYMENTS else "_" + "_".join(args.deployments)) + ("_pinned" if args.pin else "")
     path = write_result(f"side_by_side{deployed}_{args.config}", payload, args.out)
     for workload, cases in results.items():
+        if workload not in WORKLOADS:
+            print(f"\n{workload}: {cases}")
+            continue
         print(f"\n{workload}: first round / median of later rounds, vs plain; that median vs plain right after itself")
         for case, row in cases.items():
             print(f"  {case:70s} {row['first_ratio']:.3f}  {row['warm_ratio']:.3f}  {row['warm_ratio_vs_plain_again']:.3f}")

@@ -1,6 +1,7 @@
 """GPU work that ends the slow state a capture leaves on an H200 (bench_side_by_side's z-kick):
 run inside the engine's own process through `collective_rpc` (a second CUDA context of that
-process, or a side stream of its own context), or by this process on a timer during a batch.
+process, or a side stream of its own context), or by this process on a timer during a batch; and
+this process's bursts of GPU work before a batch (z-reset's, `gpu_burst`).
 """
 
 from __future__ import annotations
@@ -64,3 +65,30 @@ class PeriodicKicks:
             tiny.add_(1)
             torch.cuda.synchronize()
             self.count += 1
+
+
+def gpu_burst(kind: str, seconds: float) -> None:
+    """GPU work of `kind` (see BURST) for `seconds` on this process's GPU (its own CUDA context), or its CPU."""
+    if seconds <= 0 and kind != "kernel":
+        return
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    side = 64 if kind == "kernel" else 8192 if on_gpu else 512
+    a = torch.randn(side, side, device="cuda" if on_gpu else "cpu", dtype=torch.bfloat16 if on_gpu else torch.float32)
+    b = torch.empty_like(a)
+    end = time.perf_counter() + seconds
+    while True:
+        if kind == "kernel":
+            a[:1, :1].add_(0)
+        elif kind == "matmul":
+            for _ in range(8):
+                a = (a @ a).clamp_(-1, 1)
+        else:
+            for _ in range(8):
+                b.copy_(a)
+                a.copy_(b)
+        if on_gpu:
+            torch.cuda.synchronize()
+        if time.perf_counter() >= end:
+            return

@@ -223,6 +223,29 @@ def wrap_attention(attention: nn.Module, before: Callable[..., tuple], after: Ca
     attention.forward = wrapped
 
 
+def attend_into(attention: nn.Module, buffer: torch.Tensor) -> None:
+    """Make the op's kernel write its output rows into `buffer` ([max_tokens, heads x d_head_v])
+    instead of the fresh tensor its forward allocates (which then goes unwritten). vLLM's
+    `unified_attention_with_output` hands that tensor, [tokens, heads, d_head_v], to
+    `impl.forward(..., output=...)`, whose kernel writes into it; the impl is the layer's own
+    instance, so the wrap reaches this layer alone. The caller reads `buffer` once the op has
+    run (replicas.sites.attention_wrote marks that point for the compiler)."""
+    impl = getattr(attention, "impl", None)
+    if impl is None or "output" not in inspect.signature(impl.forward).parameters:
+        raise VllmInternalsError("attend_into", f"{type(impl).__name__}.forward takes no output tensor")
+    forward = impl.forward
+
+    def forward_into(layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: Any,
+                     attn_metadata: Any, output: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        rows = buffer[: output.shape[0]]
+        if rows.shape[0] != output.shape[0] or rows.numel() != output.numel() or rows.dtype != output.dtype:
+            raise VllmInternalsError("attend_into", f"the op's output {tuple(output.shape)} {output.dtype} does not fit "
+                                     f"the buffer {tuple(buffer.shape)} {buffer.dtype}")
+        return forward(layer, query, key, value, kv_cache, attn_metadata, output=rows.view(output.shape), **kwargs)
+
+    impl.forward = forward_into
+
+
 def layer_inputs(layout: ModelLayout, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(hidden_states, residual) a decoder layer was called with. By name: vLLM's layers take
     positions first (GPT-NeoX: `(position_ids, hidden_states)`), HF's take hidden_states first."""

@@ -13,7 +13,8 @@ the MLP, so one set of hooks serves every shape:
 - resid_mid = resid_pre + attn_out (sequential shapes only; a parallel block has none);
 - resid_post: the layer's output (mlp_out + residual where fused).
 Per-head sites (q, k, v, z; armed only when asked) wrap each layer's vLLM attention op
-(`_vllm.wrap_attention`): q, k, v on the way in, z on the way out, as [tokens, heads x d_head].
+(`_vllm.wrap_attention`): q, k, v on the way in, z on the way out, as [tokens, heads x d_head];
+the op writes z straight into its site's staging buffer (`_vllm.attend_into`).
 An edited residual stream is handed to the next norm whole, as (0, edited), so the next layer
 reads exactly the edited value; `hidden + (edited - value)` would be off by rounding, which the
 next RMSNorm blows up when the edit zeroes the stream. vLLM's Transformers backend runs HF's own
@@ -47,6 +48,7 @@ class SiteOptions:
     edit_stages: int
     edit_slots: int  # per (site, stage), besides slot 0 (the identity)
     max_set_edits: int = 4  # `set` edits one request may carry: rows per token of the shared values buffer
+    attention_in_place: bool = True  # the attention op writes z into its site's staging (replicas.sites)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SiteOptions:
@@ -58,6 +60,7 @@ class SiteOptions:
             edit_stages=int(options.get("edit_stages", 1)),
             edit_slots=int(options.get("edit_slots", 64)),
             max_set_edits=int(options.get("max_set_edits", 4)),
+            attention_in_place=bool(options.get("attention_in_place", True)),
         )
 
 
@@ -88,7 +91,8 @@ def _build_sites(
     for point in points:
         stages = options.edit_stages if steered(point.layer, point.kind) else 0  # type: ignore[arg-type]
         sites[point] = Site(
-            point, d_model=widths[point], edit_stages=stages, capture=True, per_column=point.kind in HEAD_KINDS, **site_args
+            point, d_model=widths[point], edit_stages=stages, capture=True, per_column=point.kind in HEAD_KINDS,
+            written_in_place=point.kind == "z" and options.attention_in_place, **site_args
         )
     final = HookPoint(None, "ln_final")
     sites[final] = Site(final, d_model=layout.d_model, edit_stages=0, capture=True, **site_args)
@@ -111,6 +115,9 @@ def _install_hooks(layout: _vllm.ModelLayout, armed_kinds: list[str], sites: Sit
             layer.add_module(f"capserve_{kind}", sites[(i, kind)])
         if any(kind in HEAD_KINDS for kind in kinds):
             _vllm.wrap_attention(layout.attention[i], _qkv_hook(sites, i), _head_hook(sites.get((i, "z"))))
+        z = sites.get((i, "z"))
+        if z is not None and z.written_in_place:
+            _vllm.attend_into(layout.attention[i], z.staging)
         layer.register_forward_pre_hook(_layer_pre_hook(layout, sites, i), with_kwargs=True)
         layer.register_forward_hook(_layer_post_hook(layout, sites, i))
         layout.attn_out[i].register_forward_hook(_attn_out_hook(layout, sites, i))

@@ -125,6 +125,12 @@ class EngineConfig(BaseModel):
         "(replicas/forward_timing.py; `CaptureEngine.forward_times`): where a slower step's time goes, without a "
         "profiler. Costs two event records a decode step.",
     )
+    attention_in_place: bool = Field(
+        True,
+        description="vLLM's attention kernel writes its output straight into hook_z's staging buffer, so arming "
+        "z costs no copy a step (replicas/sites.py); off: z is copied there after the op, one copy per layer a step "
+        "(bench_side_by_side's z-copy deployment compares the two).",
+    )
     switch_context_every_s: float | None = Field(
         0.05, gt=0,
         description="On a GPU, launch an empty kernel in a second CUDA context of the engine's process at most this "
@@ -266,6 +272,7 @@ class EngineConfig(BaseModel):
                 "max_step_temp_bytes": self.max_step_temp_bytes,
                 "arena_graphs": self.arena_graphs,
                 "forward_timing": self.forward_timing,
+                "attention_in_place": self.attention_in_place,
                 "switch_context_every_s": self.switch_context_every_s,
                 "outbox_timeout_s": self.outbox_timeout_s,
                 "step_profile": self.step_profile.model_dump() if self.step_profile is not None else None,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from replicas import _vllm
 from replicas.api import AttentionInfo, CaptureSpec, GenerateRequest, Intervention
 from replicas.attention import attention_scores, finish_capture, softmax
 from replicas.hooks import HookNameError, HookPoint, captured_kinds, resolve_hook, served_hook_names
@@ -91,6 +92,50 @@ def test_a_per_head_site_scales_and_patches_only_the_chosen_heads():
     assert out.tolist() == [[0, 1, 2, 3], [4, 5, 3, 3.5], [9, 8, 10, 11]]
     np.testing.assert_array_equal(site.staging[:3].numpy(), out.numpy())
 
+
+
+def test_a_z_site_written_in_place_hands_on_the_op_rows_and_stages_only_edits():
+    """The attention op wrote z's rows into the site's staging buffer: an unedited site hands those
+    rows on as they are (its input, the op's unwritten tensor, is never read) and copies nothing; a
+    site that edits hands on the edited rows and stages them in place of the op's."""
+    def site(stages: int) -> Site:
+        return Site(HookPoint(0, "z"), d_model=4, max_tokens=3, edit_stages=stages, edit_slots=2, capture=True,
+                    dtype=torch.float32, device=torch.device("cpu"), values=torch.zeros(6, 4), per_column=True,
+                    written_in_place=True)
+
+    written = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    plain = site(0)
+    plain.staging[:2] = written
+    out = plain(torch.full((2, 4), float("nan")))
+    assert out.data_ptr() == plain.staging.data_ptr() and out.tolist() == written.tolist()
+    edited = site(1)
+    edited.staging[:2] = written
+    edit = plan({"interventions": [{"hook": "0:z", "op": "scale", "factor": 0.0, "heads": [1]}]}, head_shapes={"z": (2, 2)})
+    edited.table[0, 1] = torch.from_numpy(table_row(RequestPlan.from_wire({"key": "k", "prompt_len": 9, "edits": edit["edits"]}).edits[0],
+                                                    4, per_column=True))
+    edited.slot[0, :2] = torch.tensor([1, 0])
+    out = edited(torch.full((2, 4), float("nan")))
+    assert out.tolist() == [[0, 1, 0, 0], [4, 5, 6, 7]]
+    assert edited.staging[:2].tolist() == out.tolist()
+
+
+def test_attend_into_points_the_kernel_at_the_buffer_and_refuses_a_misfit():
+    """`_vllm.attend_into` on an op whose impl writes `output` as vLLM's do: the rows land in the buffer."""
+    class Impl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None):
+            output.copy_(query * 2)
+            return output
+
+    class Op(torch.nn.Module):
+        impl = Impl()
+
+    op, buffer = Op(), torch.zeros(5, 6)
+    _vllm.attend_into(op, buffer)
+    query, output = torch.ones(3, 2, 3), torch.zeros(3, 2, 3)
+    op.impl.forward(op, query, None, None, None, None, output=output)
+    assert buffer[:3].tolist() == [[2.0] * 6] * 3 and not buffer[3:].any() and not output.any()
+    with pytest.raises(_vllm.VllmInternalsError, match="does not fit the buffer"):
+        op.impl.forward(op, query, None, None, None, None, output=torch.zeros(3, 2, 4))
 
 def reference_scores(q, q_positions, k, scale, cap, window):
     """Loops over every (query, head, key): the definition, without vectorisation."""

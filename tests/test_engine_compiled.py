@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from replicas.errors import InvalidRequestError
+from replicas.hooks import LAYER_KINDS
 from tests.conftest import ACTIVATION_TOL, LOGIT_TOL, assert_close
 from tests.test_engine_capture import prompt_ids
 
@@ -26,6 +27,7 @@ def compiled(loop, tiny_models):
     config = EngineConfig(
         model=tiny_models["llama"], dtype="float32", max_model_len=512, max_num_seqs=64, edit_stages=2,
         steer_layers=[1, 2],  # the test's edits sit there; the other layers carry no edit pass
+        armed_kinds=[*LAYER_KINDS, "z"],  # z: the attention op writes it into its site's buffer, which the graph reads
         kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.25, enforce_eager=False,
         engine_kwargs={"compilation_config": {"backend": "eager"}},  # trace with Dynamo, skip Inductor's slow CPU build
     )
@@ -35,12 +37,15 @@ def compiled(loop, tiny_models):
 
 
 def test_compiled_engine_matches_eager_for_captures_edits_and_logits(loop, engines, compiled):
-    hooks = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "2:attn_out", "3:mlp_out", "ln_final.hook_normalized"]
+    hooks = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "2:attn_out", "3:mlp_out", "ln_final.hook_normalized",
+             "blocks.0.attn.hook_z", "blocks.1.attn.hook_z", "blocks.3.attn.hook_z"]
     steer = {"hook": "blocks.1.hook_resid_pre", "op": "add", "vector": np.linspace(-1, 1, 128), "positions": "generated"}
     patch = {"hook": "blocks.2.hook_resid_mid", "op": "set", "positions": [2, -1], "values": np.ones((2, 128))}
+    ablate = {"hook": "blocks.1.attn.hook_z", "op": "scale", "factor": 0.0, "heads": [1], "phase": "decode"}
     plain = {"prompt": prompt_ids(30, 80), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
              "capture": {"hooks": hooks}, "logits": {"positions": "all"}}
-    requests = [plain, plain | {"interventions": [steer, patch]}, plain | {"prompt": prompt_ids(9, 81)}]
+    requests = [plain, plain | {"interventions": [steer, patch]}, plain | {"prompt": prompt_ids(9, 81)},
+                plain | {"interventions": [ablate]}]
 
     async def both(engine):
         return await asyncio.gather(*(engine.generate(r) for r in requests))
@@ -51,8 +56,15 @@ def test_compiled_engine_matches_eager_for_captures_edits_and_logits(loop, engin
         for name in hooks:
             assert_close(got.activations[name], want.activations[name], atol=ACTIVATION_TOL, rtol=0)
         assert_close(got.logits, want.logits, atol=LOGIT_TOL, rtol=0)
-    steered, unsteered = results[1], results[0]
+    steered, unsteered, ablated = results[1], results[0], results[3]
     assert np.abs(steered.logits - unsteered.logits).max() > 1e-2
+    # the ablated head's z is zero on decode rows alone, where the edited rows were staged; the prompt's rows,
+    # and the first decode row's other head (its input token came from unedited logits), are the plain request's
+    z, z_plain = ablated.activations["blocks.1.attn.hook_z"], unsteered.activations["blocks.1.attn.hook_z"]
+    prompt_len = len(plain["prompt"])
+    assert not z[prompt_len:, 1].any() and np.abs(z_plain[prompt_len:, 1]).max(axis=-1).min() > 0
+    np.testing.assert_array_equal(z[:prompt_len], z_plain[:prompt_len])
+    np.testing.assert_array_equal(z[prompt_len, 0], z_plain[prompt_len, 0])
     elsewhere = plain | {"interventions": [steer | {"hook": "blocks.3.hook_resid_pre"}]}
     with pytest.raises(InvalidRequestError, match=r"interventions\[0\]\.hook: layer 3 .* steerable layers: \[1, 2\]"):
         loop.run(compiled.generate(elsewhere))

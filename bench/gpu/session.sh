@@ -8,6 +8,9 @@
 #   quick    bench/gpu/suite.sh quick: arena, capture and intervention tests (4)
 #   capture  the arena writer's and the capture tests alone, engines without Inductor (~2.5)
 #   sbs      bench_side_by_side, z engine, both workloads (6); sbs32: the 32-request one (3.5); SBS_ROUNDS (3)
+#   sbs32copy bench_side_by_side, z beside z-copy (z copied after the attention op, as before 2026-12-04), 32
+#            requests, and whether both capture the same rows (6); SBS_ROUNDS (5)
+#   sbs512   bench_side_by_side, z engine, the 512-request workload alone (4); SBS_ROUNDS (3)
 #   nographs bench_side_by_side, the z engine with arena_graphs off and forward_timing on, 32 requests: armed,
 #            capture, armed after it, and after another process's GPU work (3.5)
 #   reset    nographs' engine: which other GPU work ends the slow state after a capture; after an ablation (5)
@@ -31,6 +34,8 @@
 #   state    bench/gpu/copy_state.py: which copy leaves a decode forward slower until another process's kernel;
 #            needs torch alone, so it can also run before the bundle is installed (1.5)
 #   stall    bench/gpu/register_stall.py: what registering arena memory costs a step loop (0.3)
+#   staging  bench/gpu/staging_copies.py: an armed site's staging copies in a CUDA-graph decode step, on the step's
+#            stream or a side stream; torch alone, like state (1)
 #   ctxcost  bench/gpu/context_cost.py: switch_context_every_s's second context: device memory, creation, a launch's
 #            host time; torch alone, like state (0.2)
 # Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
@@ -46,6 +51,10 @@ for part in "$@"; do
     sbs) step sbs python3 -m bench.bench_side_by_side --config llama8b --deployments z --rounds ${SBS_ROUNDS:-3} --out "$R" > "$R/sbs.log" 2>&1 ;;
     sbs32) step sbs32 python3 -m bench.bench_side_by_side --config llama8b --deployments z --workloads 32x512+256 \
              --rounds ${SBS_ROUNDS:-3} --out "$R" > "$R/sbs32.log" 2>&1 ;;
+    sbs32copy) step sbs32copy python3 -m bench.bench_side_by_side --config llama8b --deployments z z-copy --workloads 32x512+256 \
+                 --rounds ${SBS_ROUNDS:-5} --out "$R" > "$R/sbs32copy.log" 2>&1 ;;
+    sbs512) step sbs512 python3 -m bench.bench_side_by_side --config llama8b --deployments z --workloads 512x512+128 \
+              --rounds ${SBS_ROUNDS:-3} --out "$R" > "$R/sbs512.log" 2>&1 ;;
     nographs) step nographs python3 -m bench.bench_side_by_side --config llama8b --deployments z-nographs \
                 --workloads 32x512+256 --rounds 3 --out "$R" > "$R/nographs.log" 2>&1 ;;
     reset) step reset python3 -m bench.bench_side_by_side --config llama8b --deployments z-reset \
@@ -78,6 +87,7 @@ for part in "$@"; do
     copies) step copies python3 bench/gpu/copy_paths.py --out "$R" > "$R/copies.log" 2>&1 ;;
     state) step state python3 bench/gpu/copy_state.py --out "$R" > "$R/state.log" 2>&1 ;;
     stall) step stall python3 bench/gpu/register_stall.py --out "$R" > "$R/stall.log" 2>&1 ;;
+    staging) step staging python3 bench/gpu/staging_copies.py --out "$R" > "$R/staging.log" 2>&1 ;;
     ctxcost) step ctxcost python3 bench/gpu/context_cost.py --out "$R" > "$R/ctxcost.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
   esac

@@ -5,7 +5,8 @@
 #   bash bench/gpu/suite.sh OUTDIR archs   # the architecture matrix beyond Llama/Qwen2/GPT-2, fp16/bf16
 #   bash bench/gpu/suite.sh OUTDIR core    # everything else, the three archs' matrix rows included
 #   bash bench/gpu/suite.sh OUTDIR capture # the capture path and attention internals alone (Llama), ~10 min
-#   bash bench/gpu/suite.sh OUTDIR quick   # the capture and intervention tests, engines without Inductor, ~4 min
+#   bash bench/gpu/suite.sh OUTDIR quick   # the capture and intervention tests, the compiled engine's, and Llama's
+#                                          # attention internals; engines without Inductor, ~5 min
 # Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,7 +23,8 @@ elif [ "$part" = capture ]; then
          -k "not test_architectures or (llama and (attention or pattern or per_head))")
 elif [ "$part" = quick ]; then
   export CAPSERVE_QUICK_GPU_ENGINES=1
-  tests=(tests/test_arena.py tests/test_arena_writer.py tests/test_engine_capture.py tests/test_engine_interventions.py)
+  tests=(tests/test_arena.py tests/test_arena_writer.py tests/test_engine_capture.py tests/test_engine_interventions.py
+         tests/test_engine_compiled.py tests/test_architectures.py -k "not test_architectures or (llama and (attention or pattern or per_head))")
 else
   tests=(tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_engine_compiled.py tests/test_schemas.py
          tests/test_arena.py tests/test_arena_writer.py tests/test_engine_config.py tests/test_architectures.py -k "not test_architectures or llama or qwen2 or gpt2")
