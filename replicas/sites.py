@@ -16,9 +16,10 @@ the stage computes in float32 and rounds once to the model dtype)
 Inside a compiled graph the stage fuses to a gather, one reduction and pointwise work.
 Rows whose slot is 0 come out bit-identical.
 
-A z site is `written_in_place`: vLLM's attention kernel writes its output rows straight into the
-site's staging buffer (`_vllm.attend_into`), and the model reads them from there, so capturing z
-costs no copy; only a site that edits copies its edited rows back. (On an H200 the 32 layers' copies
+A z site is `written_in_place` (engine option `attention_in_place`, on by default): vLLM's
+attention kernel writes its output rows straight into the site's staging buffer
+(`_vllm.attend_into`), and the model reads them from there, so capturing z costs no copy; only a
+site that edits copies its edited rows back. (On an H200 the 32 layers' copies
 took 49 µs of a 32-row CUDA-graph decode step of an 8B-shaped stack, bench/gpu/staging_copies.py;
 in the engine, 3-4 ms of a 32-request batch's 1.48 s decode, README.)
 
