@@ -15,6 +15,10 @@ measures itself. Deployments (one engine each):
              (skipped where the rows would not fit in --host-gb of host memory)
   steer      capserve, resid_post armed for capture and edits at every layer: no edit; one vector
   steer-layer  the same with edits armed at the steered layer only (`steer_layers`)
+Attention internals (hook_z armed everywhere, a one-layer hook_z capture, a pattern at last_prompt,
+a per-head ablation) and SAE features are measured by bench_side_by_side, which keeps plain vLLM
+and capserve engines alive on one GPU and alternates their batches: their costs are ~1 %, below
+what separate processes here resolve.
 """
 
 from __future__ import annotations

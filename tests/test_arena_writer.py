@@ -11,7 +11,7 @@ import torch
 
 from replicas.arena_writer import Destinations, max_pitch_rows
 from replicas.outbox import Outbox, RequestBuffers
-from tests.test_arena import D_MODEL, HOOKS, request_plan
+from tests.arena_host import D_MODEL, HOOKS, request_plan
 
 
 def test_runs_join_a_requests_consecutive_blocks_and_break_at_jumps_and_registrations():

@@ -93,7 +93,6 @@ def test_a_per_head_site_scales_and_patches_only_the_chosen_heads():
     np.testing.assert_array_equal(site.staging[:3].numpy(), out.numpy())
 
 
-
 def test_a_z_site_written_in_place_hands_on_the_op_rows_and_stages_only_edits():
     """The attention op wrote z's rows into the site's staging buffer: an unedited site hands those
     rows on as they are (its input, the op's unwritten tensor, is never read) and copies nothing; a
@@ -136,6 +135,7 @@ def test_attend_into_points_the_kernel_at_the_buffer_and_refuses_a_misfit():
     assert buffer[:3].tolist() == [[2.0] * 6] * 3 and not buffer[3:].any() and not output.any()
     with pytest.raises(_vllm.VllmInternalsError, match="does not fit the buffer"):
         op.impl.forward(op, query, None, None, None, None, output=torch.zeros(3, 2, 4))
+
 
 def reference_scores(q, q_positions, k, scale, cap, window):
     """Loops over every (query, head, key): the definition, without vectorisation."""

@@ -19,15 +19,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$part" = archs ]; then
   tests=(tests/test_architectures.py tests/test_engine_precision.py -k "not llama and not qwen2 and not gpt2")
 elif [ "$part" = capture ]; then
-  tests=(tests/test_arena.py tests/test_arena_writer.py tests/test_engine_capture.py tests/test_attention.py tests/test_architectures.py
+  tests=(tests/test_arena.py tests/test_arena_growth.py tests/test_outbox.py tests/test_arena_writer.py tests/test_engine_capture.py tests/test_attention.py tests/test_architectures.py
          -k "not test_architectures or (llama and (attention or pattern or per_head))")
 elif [ "$part" = quick ]; then
   export CAPSERVE_QUICK_GPU_ENGINES=1
-  tests=(tests/test_arena.py tests/test_arena_writer.py tests/test_engine_capture.py tests/test_engine_interventions.py
+  tests=(tests/test_arena.py tests/test_arena_growth.py tests/test_outbox.py tests/test_arena_writer.py tests/test_engine_capture.py tests/test_engine_interventions.py
          tests/test_engine_compiled.py tests/test_architectures.py -k "not test_architectures or (llama and (attention or pattern or per_head))")
 else
   tests=(tests/test_engine_capture.py tests/test_engine_interventions.py tests/test_engine_compiled.py tests/test_schemas.py
-         tests/test_arena.py tests/test_arena_writer.py tests/test_engine_config.py tests/test_architectures.py -k "not test_architectures or llama or qwen2 or gpt2")
+         tests/test_arena.py tests/test_arena_growth.py tests/test_outbox.py tests/test_arena_writer.py tests/test_engine_config.py tests/test_architectures.py -k "not test_architectures or llama or qwen2 or gpt2")
 fi
 python3 -m pytest "${tests[@]}" -q -p no:cacheprovider --junitxml="$out/gpu_suite_$part.xml" "$@" 2>&1 \
   | tee "$out/gpu_suite_$part.log" | grep -v -E "^\(|INFO|WARNING"
