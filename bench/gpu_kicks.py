@@ -68,7 +68,8 @@ class PeriodicKicks:
 
 
 def gpu_burst(kind: str, seconds: float) -> None:
-    """GPU work of `kind` (see BURST) for `seconds` on this process's GPU (its own CUDA context), or its CPU."""
+    """GPU work for `seconds` on this process's GPU (its own CUDA context), or its CPU: "matmul" (tensor
+    cores), "copy" (device memory copies, no arithmetic) or "kernel" (two tiny kernels, seconds unused)."""
     if seconds <= 0 and kind != "kernel":
         return
     import torch
