@@ -114,10 +114,10 @@ def _install_hooks(layout: _vllm.ModelLayout, armed_kinds: list[str], sites: Sit
         for kind in kinds:
             layer.add_module(f"capserve_{kind}", sites[(i, kind)])
         if any(kind in HEAD_KINDS for kind in kinds):
-            _vllm.wrap_attention(layout.attention[i], _qkv_hook(sites, i), _head_hook(sites.get((i, "z"))))
-        z = sites.get((i, "z"))
-        if z is not None and z.written_in_place:
-            _vllm.attend_into(layout.attention[i], z.staging)
+            z = sites.get((i, "z"))
+            _vllm.wrap_attention(layout.attention[i], _qkv_hook(sites, i), _head_hook(z))
+            if z is not None and z.written_in_place:
+                _vllm.attend_into(layout.attention[i], z.staging)
         layer.register_forward_pre_hook(_layer_pre_hook(layout, sites, i), with_kwargs=True)
         layer.register_forward_hook(_layer_post_hook(layout, sites, i))
         layout.attn_out[i].register_forward_hook(_attn_out_hook(layout, sites, i))
