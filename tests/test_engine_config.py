@@ -94,6 +94,16 @@ def test_the_arena_graphs_switch_reaches_the_worker():
     assert options["arena_graphs"] is False
 
 
+def test_the_attention_in_place_switch_reaches_the_sites_options():
+    """`attention_in_place: false` (hook_z copied after vLLM's attention op, not written there by
+    it) travels to the worker's options and into its sites' options; on by default."""
+    from replicas.blocks import SiteOptions
+
+    for fields, expected in (({}, True), ({"attention_in_place": False}, False)):
+        options = EngineConfig(model="m", **fields).engine_args()["additional_config"]["capserve"]
+        assert options["attention_in_place"] is expected
+        assert SiteOptions.from_options(options).attention_in_place is expected
+
 def test_forward_timing_is_off_unless_asked_and_times_only_the_calls_it_began():
     from replicas.forward_timing import ForwardTimes
 
