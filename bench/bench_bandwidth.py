@@ -54,7 +54,7 @@ from bench.common import (
     wait_for_gpu_memory,
     write_runs,
 )
-from replicas.arena import capture_arena_bytes
+from replicas.arena.host import capture_arena_bytes
 
 VIAS = ("engine", "engine-inplace", "serve")
 DEFAULT_WORKLOAD = {"llama8b": Workload("64x512+16", 64, 512, 16), "llama1b": Workload("64x512+16", 64, 512, 16),

@@ -73,7 +73,7 @@ from bench.common import (
     wait_for_gpu_memory,
     write_runs,
 )
-from replicas.engine_config import DEFAULT_ARENA_RESERVE_BYTES
+from replicas.engine.config import DEFAULT_ARENA_RESERVE_BYTES
 
 CASES = ("a", "b", "c")
 MAX_SHARD_LINES = 1024  # the CLI's default --shard-lines

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import numpy as np
 
 from bench.common import write_result
-from replicas.arena_writer import ArenaWriter, table_slots
-from replicas.outbox import Outbox, RequestBuffers
+from replicas.worker.arena_writer import ArenaWriter, table_slots
+from replicas.worker.outbox import Outbox, RequestBuffers
 
 D_MODEL = 4096
 

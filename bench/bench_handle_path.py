@@ -11,12 +11,12 @@ read-only views of one buffer, as a replica's in-place results view its arena. W
 in each round so they compare within one run; each round sends `--requests` at once:
 - `ray`: a plain Ray actor returns one uint8 array of the same bytes: Ray's own ceiling;
 - `ray-bf16`: that actor returns the result's arrays as a plain dict of bfloat16 arrays, which
-  numpy pickles in-band (what every result paid before `replicas.arrays.OutOfBand`);
+  numpy pickles in-band (what every result paid before `replicas.api.arrays.OutOfBand`);
 - `replica`: a Serve handle straight to the replica deployment;
 - `router`: the app's Router, by reference (`by_reference=True`, what `CaptureClient` does for
   large results): the caller reads the replica's own object;
 - `router-value`: the Router by value: Ray copies the result once more on the way out;
-- `router-in-band`: `router` with the result pickled as before `replicas.arrays.OutOfBand`
+- `router-in-band`: `router` with the result pickled as before `replicas.api.arrays.OutOfBand`
   (bfloat16 in-band): the same path before the fix.
 Reported: GB/s the caller received, for the first round (Ray's object store is new then) and over
 the others, each way's ratio to `ray`, and `router` over `router-in-band` (the fix's gain).
@@ -36,14 +36,14 @@ from pydantic import BaseModel
 
 from bench.common import write_result
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
-from replicas.arrays import DTYPES
+from replicas.api.arrays import DTYPES
 
 WAYS = ("ray", "ray-bf16", "replica", "router", "router-value", "router-in-band")
 IN_BAND_SEED = 1  # a request with this seed gets its result pickled as before OutOfBand (router-in-band)
 
 
 class InBandResult(GenerateResult):
-    """A result pickled as before `replicas.arrays.OutOfBand`: numpy's own pickling of every array."""
+    """A result pickled as before `replicas.api.arrays.OutOfBand`: numpy's own pickling of every array."""
 
     def __getstate__(self) -> dict[Any, Any]:
         return BaseModel.__getstate__(self)

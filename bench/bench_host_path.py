@@ -7,7 +7,7 @@ filing and reading code on steps of the benchmark workload's shape, so it runs a
 
 Three ways over the same steps, alternating in each round, so they compare within one run:
 - `arena`: what the worker does now: rows of large captures written into reused blocks of
-  shared-memory files (`replicas.arena_writer`, here from CPU tensors as on the CPU engine; on a
+  shared-memory files (`replicas.worker.arena_writer`, here from CPU tensors as on the CPU engine; on a
   GPU the device writes them), the replica copying each capture out and handing the blocks back;
 - `files`: the design before it: rows filed into fresh per-request arrays, written to a fresh
   shared-memory file when the request finishes, read back (and the file deleted) by the replica;
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from bench.common import write_result
-from replicas import arrays
+from replicas.api import arrays
 from replicas.api import GenerateRequest
-from replicas.arena import ArenaReader, stored_in
-from replicas.outbox import Outbox, RequestBuffers, StepRows
-from replicas.plans import RequestPlan, build_wire_plan
+from replicas.arena.host import ArenaReader, stored_in
+from replicas.worker.outbox import Outbox, RequestBuffers, StepRows
+from replicas.plans.request import RequestPlan, build_wire_plan
 
 WAYS = ("arena", "files", "memcpy")
 

@@ -70,8 +70,8 @@ def sink_write_speed(folder: Path, threads: int, total_bytes: int, file_bytes: i
     lines' rows per hook, written by one write call each with `one_write_each` (the shard writer
     before it wrote vectored). With `by_batch`, also each batch of `threads` files' GB/s and the
     GB the folder held after it (`batches`): how the sink slows as it fills."""
-    from replicas.shard_files import write_safetensors
-    from replicas.shard_store import open_store
+    from replicas.shards.files import write_safetensors
+    from replicas.shards.store import open_store
 
     file_bytes = max(1 << 20, min(file_bytes, total_bytes // threads)) // 4 * 4
     files = max(threads, total_bytes // file_bytes)

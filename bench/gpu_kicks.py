@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-_second: Any = None  # replicas.context_switch.SecondContext, made on the first kick
+_second: Any = None  # replicas.worker.context_switch.SecondContext, made on the first kick
 
 
 def kick(_worker: Any, where: str) -> float:
@@ -23,7 +23,7 @@ def kick(_worker: Any, where: str) -> float:
     began = time.perf_counter()
     if where == "second context":
         if _second is None:
-            from replicas.context_switch import SecondContext
+            from replicas.worker.context_switch import SecondContext
 
             _second = SecondContext.open(torch.cuda.current_device())
         _second.launch(wait=True)

@@ -121,7 +121,7 @@ def classify(exc: BaseException) -> str:
     works across the hop. Serve's own BackPressureError (a handle queue) counts as refused too."""
     from ray.serve.exceptions import BackPressureError as ServeBackPressure
 
-    from replicas.errors import BackPressureError, InvalidRequestError
+    from replicas.api.errors import BackPressureError, InvalidRequestError
 
     if isinstance(exc, (BackPressureError, ServeBackPressure)):
         return "backpressure"
@@ -314,7 +314,7 @@ def engine_core(identity: dict[str, Any]) -> int:
 def left_behind(identity: dict[str, Any]) -> list[str]:
     """What a replica that is gone left running or on disk: engine processes (matched by pid and
     start time, so a reused pid does not count) and its shared-memory folder."""
-    from replicas.lifeline import Owner
+    from replicas.arena.lifeline import Owner
 
     remains = [
         f"{p['role']} pid {p['pid']} ({p['name']})"

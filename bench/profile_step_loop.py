@@ -5,7 +5,7 @@
     python -m bench.profile_step_loop --config llama8b --case z-armed --after z-capture --out DIR
     python -m bench.profile_step_loop --config tiny --case z-capture --first-step 40 --steps 20   # CPU check
 
-The engine starts with `step_profile` (replicas/step_profile.py) set to a window of steps past
+The engine starts with `step_profile` (replicas/worker/diagnostics/step_profile.py) set to a window of steps past
 warm-up, then runs the case's batch until the worker has written its table of ops,
 `step_profile-<pid>.txt` in `--out`: the window's garbage collections, then ops by self CPU time
 and by total CPU time, with capserve's phases as `capserve.prepare` and `capserve.collect`. Cases:

@@ -16,7 +16,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
-from replicas.errors import BackPressureError, DeadlineExceededError
+from replicas.api.errors import BackPressureError, DeadlineExceededError
 
 
 class AdmissionQueue:

@@ -6,7 +6,7 @@ EngineReplica deployment (`request_router_config`), and `DeploymentHandle.choose
 the caller which replica that is. The Router deployment uses both:
 
 - `CostLedger` (owned by the Router) holds each replica's outstanding cost: the summed
-  token-equivalents (`replicas.cost`) of requests sent to it and not yet finished.
+  token-equivalents (`replicas.plans.cost`) of requests sent to it and not yet finished.
 - The Router calls `choose_replica(RouteHint(...))`; the hint is a routing-only argument (it
   never leaves the Router's process: `dispatch` sends the request itself). Serve calls
   `CostAwareRequestRouter.choose_replicas`, which asks the ledger for the live replica with the

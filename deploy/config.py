@@ -19,13 +19,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from replicas.engine_config import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
+from replicas.engine.config import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
 from replicas.replica import TINY_PREFIX, is_tiny
-from replicas.sink import SinkOptions
+from replicas.shards.sink import SinkOptions
 
 API_KEY_ENV = "CAPSERVE_API_KEY"
 # The built-in tiny models' chat template writes Hermes tool calls; their random weights need the
-# whitespace bound, or a forced call never ends (see replicas/tools.py).
+# whitespace bound, or a forced call never ends (see replicas/engine/tools.py).
 TINY_TOOL_SETTINGS = {"tool_call_parser": "hermes", "tool_strict_level": "parameter", "tool_call_max_whitespace": 1}
 
 _STRICT = ConfigDict(extra="forbid")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 from replicas.api import CaptureSpec, GenerateRequest, GenerateResult
-from replicas.errors import InvalidRequestError
-from replicas.validation import validated
+from replicas.api.errors import InvalidRequestError
+from replicas.api.validation import validated
 
 AUTO_REFERENCE_BYTES = 1 << 20  # by_reference="auto": results with this many array bytes come by reference
 ByReference = Union[bool, Literal["auto"]]

@@ -19,7 +19,7 @@ Order of checks on POST (cheapest first, nothing read that a refusal does not ne
 then the body is read (bounded), parsed and validated, and only then does a replica see it.
 
 Arrays in requests are lists of numbers or `{"dtype", "shape", "data": base64}` objects
-(`replicas.arrays`). Results are JSON with each activation (and logits) in that base64 form, or,
+(`replicas.api.arrays`). Results are JSON with each activation (and logits) in that base64 form, or,
 with `Accept: application/octet-stream` or `?format=safetensors`, a safetensors file whose
 tensors are the activations by hook name (plus "logits") and whose `__metadata__["capserve"]`
 holds the other result fields as JSON. bfloat16 tensors are stored as BF16 (read them with
@@ -29,7 +29,7 @@ Errors: `{"error": {"type", "message"}}` with 400 (not JSON, bad format), 401 (a
 over max_request_bytes), 422 (invalid request, the field named), 503 (queue full or no replica
 could answer; Retry-After), 504 (past routing.request_timeout_s), 500 (capture failed, or an
 internal error: logged on the router, the body names only its type). Messages never carry a
-remote traceback, pid, address or ANSI code (`replicas.error_messages.public_message`).
+remote traceback, pid, address or ANSI code (`replicas.api.error_messages.public_message`).
 """
 
 from __future__ import annotations

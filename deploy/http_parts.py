@@ -15,10 +15,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from replicas import arrays
+from replicas.api import arrays
 from replicas.api import GenerateResult
-from replicas.error_messages import public_message, remote_cause
-from replicas.errors import (
+from replicas.api.error_messages import public_message, remote_cause
+from replicas.api.errors import (
     BackPressureError,
     CaptureFailedError,
     DeadlineExceededError,

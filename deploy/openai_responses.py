@@ -3,7 +3,7 @@
 Every body is built from the `openai` package's own models (ChatCompletion, ChatCompletionChunk,
 Completion, CompletionUsage, Model) and dumped to JSON with the fields set, plus one extra
 top-level field, `capserve` (`capserve_field`): positions, token ids, the replica, and the
-activations/logits in the base64 wire format of `replicas.arrays`, or a download link when they
+activations/logits in the base64 wire format of `replicas.api.arrays`, or a download link when they
 are larger than `openai.inline_bytes`. When streaming it rides on the last chunk.
 
 Pure functions, no Ray: unit-tested in tests/test_openai_api.py.
@@ -26,11 +26,11 @@ from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
 from fastapi.responses import JSONResponse
 
-from replicas import arrays
+from replicas.api import arrays
 from replicas.api import Choice, GenerateResult, ModelInfo
-from replicas.error_messages import public_message, remote_cause
-from replicas.streaming import ChoiceDelta as StreamChoice
-from replicas.streaming import StreamDelta
+from replicas.api.error_messages import public_message, remote_cause
+from replicas.api.streaming import ChoiceDelta as StreamChoice
+from replicas.api.streaming import StreamDelta
 
 from deploy.http_parts import HttpError, classify, logger
 from deploy.openai_translate import OpenAIRequestError, Translated

@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from replicas.api import GenerateResult
-from replicas.streaming import CallOptions, StreamEnd
+from replicas.api.streaming import CallOptions, StreamEnd
 
 from deploy.admission import within
 from deploy.capture_store import CaptureGone, CaptureStore, CaptureTooLarge

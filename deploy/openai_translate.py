@@ -26,8 +26,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from replicas.api import ChatMessage, GenerateRequest
-from replicas.errors import InvalidRequestError
-from replicas.streaming import CallOptions
+from replicas.api.errors import InvalidRequestError
+from replicas.api.streaming import CallOptions
 
 # GenerateRequest fields that are capserve's own (not OpenAI's), validated by GenerateRequest itself.
 CAPSERVE_FIELDS = ("capture", "interventions", "logits", "sae")

@@ -5,7 +5,7 @@ Handle methods (Python callers, the provider and the client):
     await handle.generate.remote(request)            -> GenerateResult
     await handle.capture.remote(request)             -> GenerateResult (prompt activations)
     await handle.capture_batch.remote([req, ...])    -> [GenerateResult, ...] in input order
-    await handle.capture_shard.remote(job)           -> ShardIndex dict: a replica wrote the shard (replicas.sink)
+    await handle.capture_shard.remote(job)           -> ShardIndex dict: a replica wrote the shard (replicas.shards.sink)
     await handle.info.remote()                       -> ModelInfo
     await handle.stats.remote()                      -> queue depth and per-replica outstanding cost
     await handle.ready.remote()                      -> ReadyStatus: can an engine serve now (deploy.readiness)
@@ -32,7 +32,7 @@ What the router guarantees:
   fails with `DeadlineExceededError` (HTTP 504). One attempt on one replica runs at most
   `routing.attempt_timeout_s`; then it is cancelled there and retried elsewhere (a hung replica);
 - errors a caller sees carry the message and the field, never a remote traceback, pid or address
-  (`replicas.error_messages`); client errors are logged as one WARNING line.
+  (`replicas.api.error_messages`); client errors are logged as one WARNING line.
 """
 
 from __future__ import annotations
@@ -45,21 +45,21 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from replicas.api import GenerateRequest, ModelInfo
-from replicas.cost import request_cost
-from replicas.errors import (
+from replicas.plans.cost import request_cost
+from replicas.api.errors import (
     BackPressureError,
     CaptureFailedError,
     InvalidRequestError,
     ReplicaUnavailableError,
 )
-from replicas.sink import ShardJob, shard_job
-from replicas.validation import validated
+from replicas.shards.sink import ShardJob, shard_job
+from replicas.api.validation import validated
 
 from deploy.admission import AdmissionQueue, AttemptFailed, AttemptTimedOut, Deadline, Gate, within
 from deploy.balance import CostLedger, RouteHint
 from deploy.handle_args import ByReference, capture_request, check_by_reference, wants_reference
 from deploy.config import RouterConfig
-from replicas.error_messages import describe, public_message, quiet_client_errors, remote_cause
+from replicas.api.error_messages import describe, public_message, quiet_client_errors, remote_cause
 from deploy.readiness import FleetStates, ReadinessProbe, ReadyStatus, serve_fleet_states
 from deploy.streams import RouterStream, stream_attempt
 
@@ -224,7 +224,7 @@ class Router:
     # ------------------------------------------------------------ handle methods
 
     async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: ByReference = False, options: Any = None) -> Any:
-        """`options`: `replicas.streaming.CallOptions` for the replica (the OpenAI routes set them)."""
+        """`options`: `replicas.api.streaming.CallOptions` for the replica (the OpenAI routes set them)."""
         check_by_reference(by_reference)
         request = validated(request)
         async with within(self._deadline()) as deadline:
@@ -234,7 +234,7 @@ class Router:
 
     async def generate_stream(self, request: GenerateRequest | dict[str, Any], options: Any = None) -> AsyncIterator[Any]:
         """generate() as a stream: `StreamDelta`s as tokens come, then `StreamEnd(result)`
-        (replicas.streaming). Handle callers: `handle.options(stream=True).generate_stream.remote(r)`.
+        (replicas.api.streaming). Handle callers: `handle.options(stream=True).generate_stream.remote(r)`.
         Same validation, queue bound, deadline and balancing; a replica that fails before the
         first item is retried elsewhere, one that fails after it fails the stream."""
         stream = self.open_stream(request, options)
@@ -311,7 +311,7 @@ class Router:
 
     async def capture_shard(self, job: ShardJob | dict[str, Any]) -> dict[str, Any]:
         """`capserve capture --sink replica`: one replica captures a shard's lines and writes the
-        shard itself (replicas.sink); returns its `ShardIndex` as a dict, never the rows. Balanced
+        shard itself (replicas.shards.sink); returns its `ShardIndex` as a dict, never the rows. Balanced
         by the summed cost of its lines, one queue slot, retried on another replica when the one
         running it dies (a shard is published atomically, so a retry never leaves half of one)."""
         job = shard_job(job)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from replicas.error_messages import describe, remote_cause
-from replicas.errors import CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
+from replicas.api.error_messages import describe, remote_cause
+from replicas.api.errors import CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 
 from deploy.admission import AttemptFailed, AttemptTimedOut, Deadline
 

@@ -10,8 +10,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from replicas.error_messages import OWN_ERRORS, remote_cause
-from replicas.errors import (
+from replicas.api.error_messages import OWN_ERRORS, remote_cause
+from replicas.api.errors import (
     BackPressureError,
     CaptureFailedError,
     DeadlineExceededError,

@@ -15,7 +15,7 @@ into the .eval log; numpy arrays would be logged as null):
 
 Keys are TransformerLens's wire keys (`"1:resid_post"`; the final norm keeps its full name
 `"ln_final.hook_normalized"`) and inline entries use its `{"data", "dtype", "shape"}` format
-(`replicas.arrays`), so TransformerLens's log readers work on them. Arrays larger than the inline
+(`replicas.api.arrays`), so TransformerLens's log readers work on them. Arrays larger than the inline
 limit in total (or every capture, when a capture directory is set) go to one safetensors file per
 call, tensors named by wire key; the metadata then holds the file's absolute path.
 """
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from replicas import arrays
-from replicas.hooks import resolve_hook
+from replicas.api import arrays
+from replicas.api.hooks import resolve_hook
 
 if TYPE_CHECKING:
     from inspect_ai.log import EvalLog, EvalSample

@@ -40,7 +40,7 @@ from typing import Any, Literal, TypeVar
 from provider._serve import AppConnection, classify, unwrap
 from provider.dataset.shards import load_capture  # noqa: F401  (re-exported: what `capserve capture` wrote)
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
-from replicas.errors import DeadlineExceededError, InvalidRequestError
+from replicas.api.errors import DeadlineExceededError, InvalidRequestError
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 900.0  # above the router's default deadline (600 s) plus backoff between retries

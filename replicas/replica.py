@@ -28,16 +28,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
-from replicas.cost import request_cost
-from replicas.error_messages import quiet_client_errors
-from replicas.errors import (
+from replicas.plans.cost import request_cost
+from replicas.api.error_messages import quiet_client_errors
+from replicas.api.errors import (
     CaptureFailedError,
     InvalidRequestError,
     ReplicaUnavailableError,
 )
-from replicas.lifeline import engine_processes
-from replicas.sink import ShardJob, ShardSink, SinkOptions, run_shard, shard_job
-from replicas.validation import validated
+from replicas.arena.lifeline import engine_processes
+from replicas.shards.sink import ShardJob, ShardSink, SinkOptions, run_shard, shard_job
+from replicas.api.validation import validated
 
 logger = logging.getLogger("capserve.replica")
 
@@ -66,7 +66,7 @@ class ReplicaOptions(BaseModel):
         description="Tests only: allow `stall()`, which wedges this replica. Off unless AppArgs.fault_injection; "
         "no HTTP route reaches it.",
     )
-    sink: SinkOptions = Field(default_factory=SinkOptions, description="capture_shard's writers (replicas.sink).")
+    sink: SinkOptions = Field(default_factory=SinkOptions, description="capture_shard's writers (replicas.shards.sink).")
 
 def is_tiny(model: str | None) -> bool:
     return model is None or model.startswith(TINY_PREFIX)
@@ -132,7 +132,7 @@ class EngineReplica:
             from replicas.engine import CaptureEngine as engine_cls
         self._engine = await engine_cls.start(config, name=self.name)
         # results leave this process by Ray's serialization, which copies them: they can view
-        # the worker's arena in place until then (replicas.arena.HeldArena), however many
+        # the worker's arena in place until then (replicas.arena.host.HeldArena), however many
         self._engine.view_share = 1.0
         self._sink.watch(self._engine.arena_budget)
         self._info: ModelInfo = await self._engine.info()
@@ -154,9 +154,9 @@ class EngineReplica:
 
     async def generate_stream(self, request: GenerateRequest | dict[str, Any], options: Any = None) -> AsyncIterator[Any]:
         """Serve streaming (`handle.options(stream=True)`): `StreamDelta`s as the engine produces
-        tokens, then `StreamEnd` with the whole result (replicas.streaming). Closing the stream
+        tokens, then `StreamEnd` with the whole result (replicas.api.streaming). Closing the stream
         early cancels the request in the engine."""
-        from replicas.streaming import StreamEnd, stream_generate
+        from replicas.api.streaming import StreamEnd, stream_generate
 
         async with self._serving("generate_stream", request, options) as (request, run):
             stream = stream_generate(self._engine, request, token_strs=run.options.token_strs)
@@ -171,7 +171,7 @@ class EngineReplica:
     async def capture_shard(self, job: ShardJob | dict[str, Any]) -> dict[str, Any]:
         """`capserve capture --sink replica`: run a shard's lines here (each through generate(),
         so drain, load and metrics see them), write the shard into the job's folder from this
-        process, and return only its `ShardIndex` (replicas.sink)."""
+        process, and return only its `ShardIndex` (replicas.shards.sink)."""
         if self._draining:
             raise ReplicaUnavailableError(f"replica {self.name} is shutting down; retry on another replica")
         index = await run_shard(shard_job(job), self.generate, self._sink)
@@ -180,19 +180,19 @@ class EngineReplica:
     async def tokenize(self, request: GenerateRequest | dict[str, Any], add_special_tokens: bool = True,
                        token_strs: bool = False) -> dict[str, Any]:
         """/tokenize: the prompt's token ids as generate() would run them (chat template and tools applied)."""
-        from replicas import tokens
+        from replicas.engine import tokens
 
         return {**tokens.tokenize(self._engine, validated(request), add_special_tokens, token_strs),
                 "max_model_len": self._info.max_model_len}
 
     async def detokenize(self, ids: list[int]) -> str:
-        from replicas import tokens
+        from replicas.engine import tokens
 
         return tokens.detokenize(self._engine, ids, self._info.d_vocab)
 
     async def token_strings(self, ids: list[int]) -> list[str]:
         """Each token's text (logprobs and echo on the OpenAI routes)."""
-        from replicas import tokens
+        from replicas.engine import tokens
 
         return tokens.token_strings(self._engine, ids, self._info.d_vocab)
 
@@ -249,7 +249,7 @@ class EngineReplica:
     async def _serving(self, method: str, request: GenerateRequest | dict[str, Any], options: Any) -> AsyncIterator[tuple[GenerateRequest, "_Run"]]:
         """One request's bookkeeping: refused while draining, counted in flight (load, drain),
         metrics, and an engine failure turned into ReplicaUnavailableError (the router retries)."""
-        from replicas.streaming import CallOptions
+        from replicas.api.streaming import CallOptions
 
         if self._draining:
             raise ReplicaUnavailableError(f"replica {self.name} is shutting down; retry on another replica")
@@ -262,7 +262,7 @@ class EngineReplica:
         outcome = "error"
         try:
             if run.options.fill_max_tokens:
-                from replicas.tokens import fill_max_tokens
+                from replicas.engine.tokens import fill_max_tokens
 
                 request = fill_max_tokens(self._engine, request, self._info.max_model_len)
             yield request, run
@@ -316,7 +316,7 @@ class EngineReplica:
 
 @dataclass
 class _Run:
-    options: Any  # replicas.streaming.CallOptions
+    options: Any  # replicas.api.streaming.CallOptions
     result: GenerateResult | None = None
 
 

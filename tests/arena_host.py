@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from replicas.api import GenerateRequest
-from replicas.arena import ArenaReader, stored_in
-from replicas.collector import Collector, Selection
-from replicas.outbox import Outbox, RequestBuffers, StepRows
-from replicas.plans import RequestPlan, build_wire_plan
+from replicas.arena.host import ArenaReader, stored_in
+from replicas.worker.collector import Collector, Selection
+from replicas.worker.outbox import Outbox, RequestBuffers, StepRows
+from replicas.plans.request import RequestPlan, build_wire_plan
 
 D_MODEL = 8  # float32 rows of 32 bytes; a block holds 32 float32 or 64 bfloat16 rows
 HOOKS = ["blocks.0.hook_resid_post", "blocks.2.hook_resid_post", "blocks.3.hook_resid_post"]

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from replicas.api import GenerateResult, ModelInfo
-from replicas.arrays import DTYPES
-from replicas.errors import InvalidRequestError
+from replicas.api.arrays import DTYPES
+from replicas.api.errors import InvalidRequestError
 
 
 class FakeTransient(RuntimeError):
@@ -119,13 +119,13 @@ class FakeBackend:
 
 class FakeSinkBackend(FakeBackend):
     """FakeBackend whose "replicas" write shards themselves: `run_shard` runs the job through
-    `replicas.sink.run_shard` in this process, as EngineReplica.capture_shard does."""
+    `replicas.shards.sink.run_shard` in this process, as EngineReplica.capture_shard does."""
 
     description = "fake with replica-side sinks"
 
     def __init__(self, *args: Any, fail_shards: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from replicas.sink import ShardSink
+        from replicas.shards.sink import ShardSink
 
         self.sink = ShardSink(threads=2, max_unwritten=2)
         self.fail_shards = fail_shards  # the first N jobs die mid-shard, as a killed replica would
@@ -138,7 +138,7 @@ class FakeSinkBackend(FakeBackend):
         return 2
 
     async def run_shard(self, job: dict[str, Any]) -> dict[str, Any]:
-        from replicas.sink import run_shard, shard_job
+        from replicas.shards.sink import run_shard, shard_job
 
         self.jobs += 1
         if self.jobs <= self.fail_shards:

@@ -110,8 +110,8 @@ def armed_with_attention(path: str) -> list[str]:
     """Every kind the model's blocks have, and the attention kinds (armed only when asked)."""
     import json
 
-    from replicas.architectures import block_shape, layer_kinds
-    from replicas.hooks import HEAD_KINDS, PATTERN_KINDS
+    from replicas.engine.architectures import block_shape, layer_kinds
+    from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS
 
     architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
     return [*layer_kinds(block_shape(architecture)), *HEAD_KINDS, *PATTERN_KINDS]

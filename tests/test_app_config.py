@@ -12,7 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy.app import build_app, replica_scaling, router_capacity, serve_replica_limit, warn_if_open
 from deploy.config import API_KEY_ENV, AppArgs, read_api_key, resolve_api_key, router_config
-from replicas.sink import ShardSink, SinkOptions
+from replicas.shards.sink import ShardSink, SinkOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.architectures import layer_kinds
-from replicas.hooks import FINAL_NORM_HOOK, HEAD_KINDS, PATTERN_KINDS
+from replicas.engine.architectures import layer_kinds
+from replicas.api.hooks import FINAL_NORM_HOOK, HEAD_KINDS, PATTERN_KINDS
 from replicas.tiny import ARCHS as ALL_ARCHS
 from replicas.tiny import make_tiny_model
 from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, armed_with_attention, assert_close, start_engine

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.arena import CHUNK_BLOCKS, ArenaLayout, ArenaReader, HostArena, stored_in
-from replicas.arrays import from_raw
-from replicas.collector import Collector, Selection
-from replicas.outbox import Outbox, RequestBuffers
+from replicas.arena.host import CHUNK_BLOCKS, ArenaLayout, ArenaReader, HostArena, stored_in
+from replicas.api.arrays import from_raw
+from replicas.worker.collector import Collector, Selection
+from replicas.worker.outbox import Outbox, RequestBuffers
 from tests.arena_host import D_MODEL, HOOKS, Host, request_plan, shm_bytes
 
 
@@ -130,7 +130,7 @@ def test_a_full_shared_memory_fails_only_the_requests_that_needed_more(host, mon
 
 
 def test_rows_are_written_with_the_widest_integer_that_divides_them():
-    from replicas.arena_writer import element_type
+    from replicas.worker.arena_writer import element_type
 
     assert [element_type(n) for n in (8192, 4100, 4098, 4097)] == [torch.int64, torch.int32, torch.int16, torch.uint8]
 
@@ -220,7 +220,7 @@ def test_steady_decode_steps_skip_the_selection_and_write_what_it_would(tmp_path
     `SteadyDecode` (rows looked up once, `Batch.repeats`); a decode step of requests that select
     none of its rows does nothing."""
     from replicas._vllm import StepLayout
-    from replicas.request_table import UNPLANNED, RequestTable
+    from replicas.worker.request_table import UNPLANNED, RequestTable
 
     outbox = Outbox(str(tmp_path), D_MODEL)
     sites = {(i, "resid_post"): SimpleNamespace(staging=torch.zeros(64, D_MODEL)) for i in (0, 2, 3)}

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from replicas.arena import ArenaLayout, HostArena
+from replicas.arena.host import ArenaLayout, HostArena
 from tests.arena_host import D_MODEL, HOOKS, Host, request_plan, shm_bytes
 
 
@@ -19,7 +19,7 @@ def test_a_small_dev_shm_sends_results_through_the_temporary_folder(monkeypatch)
     import shutil
     from collections import namedtuple
 
-    from replicas import engine
+    from replicas.engine import capture_engine as engine
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(os.path, "isdir", lambda path: True)
@@ -45,7 +45,7 @@ def test_the_default_arena_limit_is_a_fair_share_of_the_file_system(monkeypatch)
     import shutil
     from collections import namedtuple
 
-    from replicas import arena
+    from replicas.arena import host as arena
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 30, 0, 64 << 30))
@@ -108,9 +108,9 @@ def test_chunks_are_registered_in_pieces_with_pauses_on_the_grower(tmp_path, mon
     piece at a time, and the grower pauses after each piece, unless an allocation is waiting for
     its chunk. Shrinking unregisters every piece; a piece CUDA refuses leaves none of its chunk
     registered."""
-    monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr("replicas.arena.host.PIN_PIECE_BYTES", 64 << 10)
     pauses: list[float] = []
-    monkeypatch.setattr("replicas.arena.time", SimpleNamespace(perf_counter=time.perf_counter, sleep=pauses.append))
+    monkeypatch.setattr("replicas.arena.host.time", SimpleNamespace(perf_counter=time.perf_counter, sleep=pauses.append))
     layout = ArenaLayout.for_model(str(tmp_path), D_MODEL)  # 1 KiB blocks, 256 KiB chunks: 4 pieces
     pin = RecordedPinning()
     arena = HostArena(layout, reserve_bytes=256 << 10, pin=pin)
@@ -139,7 +139,7 @@ def test_chunks_are_registered_in_pieces_with_pauses_on_the_grower(tmp_path, mon
 def test_copies_break_where_two_registrations_meet(tmp_path, monkeypatch):
     """A capture's run of rows across a piece boundary goes by two copies, and no copy spans two
     pieces (a copy of several hooks neither); its rows read back whole."""
-    monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", 2 << 10)  # two blocks
+    monkeypatch.setattr("replicas.arena.host.PIN_PIECE_BYTES", 2 << 10)  # two blocks
     host = Host(str(tmp_path), by_copy_engine=True)
     copies: list[tuple[int, int]] = []
     memmove = host.arena.pin.copy

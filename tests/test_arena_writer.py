@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.arena_writer import Destinations, max_pitch_rows
-from replicas.outbox import Outbox, RequestBuffers
+from replicas.worker.arena_writer import Destinations, max_pitch_rows
+from replicas.worker.outbox import Outbox, RequestBuffers
 from tests.arena_host import D_MODEL, HOOKS, request_plan
 
 
@@ -73,7 +73,7 @@ def assert_runs_cover(destinations: Destinations, runs) -> None:
 def test_on_a_gpu_the_copy_engines_and_the_kernel_put_every_row_where_the_reader_looks(monkeypatch, pin_piece_bytes):
     """Rows past the start-up reserve (registered whole), in chunks registered whole or in pieces
     of 4 blocks (CUDA refuses a copy across two registrations; the kernel writes across them)."""
-    monkeypatch.setattr("replicas.arena.PIN_PIECE_BYTES", pin_piece_bytes)
+    monkeypatch.setattr("replicas.arena.host.PIN_PIECE_BYTES", pin_piece_bytes)
     device = torch.device("cuda")
     torch.cuda.init()
     shared = tempfile.TemporaryDirectory(dir="/dev/shm")  # where replicas keep their arena: CUDA pins its pages
@@ -108,7 +108,7 @@ def test_on_a_gpu_a_decode_steps_graph_writes_exactly_its_rows_step_after_step()
     Then a decode step of 512 requests at one hook, the largest bucket."""
     from types import SimpleNamespace
 
-    from replicas.arena_graphs import RING, ArenaGraphs
+    from replicas.worker.arena_graphs import RING, ArenaGraphs
 
     device = torch.device("cuda")
     shared = tempfile.TemporaryDirectory(dir="/dev/shm")

@@ -11,10 +11,10 @@ import torch
 
 from replicas import _vllm
 from replicas.api import AttentionInfo, CaptureSpec, GenerateRequest, Intervention
-from replicas.attention import attention_scores, finish_capture, softmax
-from replicas.hooks import HookNameError, HookPoint, captured_kinds, resolve_hook, served_hook_names
-from replicas.plans import PlanError, RequestPlan, build_wire_plan
-from replicas.sites import Site, table_row
+from replicas.engine.attention import attention_scores, finish_capture, softmax
+from replicas.api.hooks import HookNameError, HookPoint, captured_kinds, resolve_hook, served_hook_names
+from replicas.plans.request import PlanError, RequestPlan, build_wire_plan
+from replicas.worker.sites import Site, table_row
 
 HEADS = {"q": (4, 2), "k": (2, 2), "v": (2, 2), "z": (4, 2)}  # 4 query heads of 2, 2 KV heads
 

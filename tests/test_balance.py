@@ -9,7 +9,7 @@ import pytest
 
 from deploy.balance import CostLedger, RouteHint, route_hint
 from replicas.api import GenerateRequest
-from replicas.cost import estimate_prompt_tokens, request_cost, returned_bytes
+from replicas.plans.cost import estimate_prompt_tokens, request_cost, returned_bytes
 
 
 class Clock:

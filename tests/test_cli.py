@@ -25,7 +25,7 @@ import pytest
 
 from bench.load import wait_engine_gone
 from provider.dataset.shards import Capture, finished_shards, load_capture
-from replicas.sink import SinkOptions
+from replicas.shards.sink import SinkOptions
 
 pytestmark = pytest.mark.serve
 
@@ -203,7 +203,7 @@ def _replica_stats() -> dict[str, dict[str, Any]]:
 
 
 def test_replica_sink_refuses_a_bad_job_as_the_callers_error(app, tmp_path):
-    from replicas.errors import InvalidRequestError
+    from replicas.api.errors import InvalidRequestError
 
     job = {"folder": "relative/dir", "shard": 0, "spec": {"hooks": [HOOK]}, "d_model": 128,
            "lines": [{"line": 0, "request": {"prompt": "hi", "max_tokens": 1, "capture": {"hooks": [HOOK]}}}]}

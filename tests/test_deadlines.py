@@ -16,7 +16,7 @@ import pytest
 
 from deploy.router import Router
 from replicas.api import GenerateRequest
-from replicas.errors import DeadlineExceededError
+from replicas.api.errors import DeadlineExceededError
 from tests.test_router import CAPTURE, FakePool, FakeSlot, echo
 
 GUARD_S = 10.0  # a test that takes longer than this has hung: the deadline did not act

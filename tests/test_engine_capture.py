@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from replicas.errors import InvalidRequestError
-from replicas.hooks import LAYER_KINDS, FINAL_NORM_HOOK
-from replicas.lifeline import OWNER_FILE
+from replicas.api.errors import InvalidRequestError
+from replicas.api.hooks import LAYER_KINDS, FINAL_NORM_HOOK
+from replicas.arena.lifeline import OWNER_FILE
 from tests.conftest import ACTIVATION_TOL, ARCHS, MAX_NUM_BATCHED_TOKENS, ON_GPU, assert_close
 from tests.hf_reference import hf_activations
 

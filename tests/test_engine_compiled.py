@@ -12,8 +12,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from replicas.errors import InvalidRequestError
-from replicas.hooks import LAYER_KINDS
+from replicas.api.errors import InvalidRequestError
+from replicas.api.hooks import LAYER_KINDS
 from tests.conftest import ACTIVATION_TOL, LOGIT_TOL, assert_close
 from tests.test_engine_capture import prompt_ids
 

@@ -13,9 +13,9 @@ import pytest
 from pydantic import ValidationError
 
 from replicas import _vllm
-from replicas.architectures import ARCHITECTURES, UnsupportedArchitectureError, block_shape, layer_kinds
+from replicas.engine.architectures import ARCHITECTURES, UnsupportedArchitectureError, block_shape, layer_kinds
 from replicas.engine import CaptureEngine, EngineConfig
-from replicas.engine_config import checkpoint_facts
+from replicas.engine.config import checkpoint_facts
 
 
 def test_an_undeclared_architecture_is_refused_at_start_with_the_supported_list(tmp_path: Path):
@@ -97,7 +97,7 @@ def test_the_arena_graphs_switch_reaches_the_worker():
 def test_the_attention_in_place_switch_reaches_the_sites_options():
     """`attention_in_place: false` (hook_z copied after vLLM's attention op, not written there by
     it) travels to the worker's options and into its sites' options; on by default."""
-    from replicas.blocks import SiteOptions
+    from replicas.worker.blocks import SiteOptions
 
     for fields, expected in (({}, True), ({"attention_in_place": False}, False)):
         options = EngineConfig(model="m", **fields).engine_args()["additional_config"]["capserve"]
@@ -105,7 +105,7 @@ def test_the_attention_in_place_switch_reaches_the_sites_options():
         assert SiteOptions.from_options(options).attention_in_place is expected
 
 def test_forward_timing_is_off_unless_asked_and_times_only_the_calls_it_began():
-    from replicas.forward_timing import ForwardTimes
+    from replicas.worker.diagnostics.forward_timing import ForwardTimes
 
     assert EngineConfig(model="m").engine_args()["additional_config"]["capserve"]["forward_timing"] is False
     assert EngineConfig(model="m", forward_timing=True).engine_args()["additional_config"]["capserve"]["forward_timing"] is True
@@ -128,7 +128,7 @@ def test_context_switches_come_while_rows_are_written_at_most_every_interval_and
     there is nothing to switch."""
     import torch
 
-    from replicas.context_switch import ContextSwitches, context_switches
+    from replicas.worker.context_switch import ContextSwitches, context_switches
 
     def every_s(**fields: Any) -> float | None:
         return EngineConfig(model="m", **fields).engine_args()["additional_config"]["capserve"]["switch_context_every_s"]
@@ -177,7 +177,7 @@ def test_the_second_context_sets_its_memory_limits_to_zero_and_is_destroyed_when
     current again) and raises, so the worker runs without switches; so does a driver that lacks a call."""
     import ctypes
 
-    from replicas import context_switch
+    from replicas.worker import context_switch
 
     driver = FakeDriver()
     monkeypatch.setattr(context_switch.ctypes, "CDLL", lambda name: driver)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.errors import InvalidRequestError
-from replicas.hooks import LAYER_KINDS
+from replicas.api.errors import InvalidRequestError
+from replicas.api.hooks import LAYER_KINDS
 from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, MAX_NUM_BATCHED_TOKENS, assert_close, assert_same
 from tests.hf_reference import hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
@@ -76,7 +76,7 @@ def hf_edit_fn(edit: dict, prompt_len: int):
 
 
 def hf_edits(edits: list[dict], prompt_len: int) -> list:
-    from replicas.hooks import resolve_hook
+    from replicas.api.hooks import resolve_hook
 
     return [(*resolve_hook(e["hook"]), hf_edit_fn(e, prompt_len)) for e in edits]
 
@@ -264,8 +264,8 @@ def test_an_edit_the_worker_could_not_install_fails_its_request(loop, engines):
     import uuid
 
     from replicas.api import GenerateRequest
-    from replicas.errors import CaptureFailedError
-    from replicas.results import Finish
+    from replicas.api.errors import CaptureFailedError
+    from replicas.engine.results import Finish
 
     engine = engines["llama"]
     prompt = prompt_ids(6, seed=80)

@@ -14,14 +14,14 @@ import torch
 
 from replicas._vllm import StepLayout
 from replicas.api import GenerateRequest, ModelInfo
-from replicas.arena_client import ArenaBudget, BatchedTake
-from replicas.blocks import SiteOptions, _build_sites
-from replicas.collector import Collector
-from replicas.edit_table import EditTable
-from replicas.errors import ReplicaUnavailableError
-from replicas.outbox import RequestBuffers
-from replicas.plans import RequestPlan, build_wire_plan
-from replicas.request_table import Batch, RequestTable
+from replicas.arena.client import ArenaBudget, BatchedTake
+from replicas.worker.blocks import SiteOptions, _build_sites
+from replicas.worker.collector import Collector
+from replicas.worker.edit_table import EditTable
+from replicas.api.errors import ReplicaUnavailableError
+from replicas.worker.outbox import RequestBuffers
+from replicas.plans.request import RequestPlan, build_wire_plan
+from replicas.worker.request_table import Batch, RequestTable
 
 D = 8
 CPU = torch.device("cpu")
@@ -352,7 +352,7 @@ def test_a_take_rpc_past_its_timeout_fails_as_the_replicas_fault_and_is_abandone
 
 def test_a_request_cancelled_again_during_its_take_still_frees_its_blocks_and_budget():
     from replicas.engine import CaptureEngine, EngineConfig
-    from replicas.results import Finish
+    from replicas.engine.results import Finish
 
     class Outputs:
         def __init__(self):

@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from replicas.errors import InvalidRequestError, ReplicaUnavailableError
+from replicas.api.errors import InvalidRequestError, ReplicaUnavailableError
 
 
 ARENA_BYTES = 1 << 20  # 64 blocks of 32 float32 rows of the tiny models' 128 floats
@@ -30,7 +30,7 @@ def small(loop, tiny_models):
 
 def hooks_of(n: int) -> list[str]:
     """n distinct hooks of the tiny 4-layer models."""
-    from replicas.hooks import LAYER_KINDS
+    from replicas.api.hooks import LAYER_KINDS
 
     return [f"blocks.{layer}.hook_{kind}" for kind in LAYER_KINDS for layer in range(4)][:n]
 
@@ -136,7 +136,7 @@ def test_a_shard_job_that_outgrows_the_arena_copies_its_lines_out_and_completes(
     job itself could give back. The sink copies the finished lines out when a request waits."""
     from safetensors.numpy import load_file
 
-    from replicas.sink import JobLine, RowSpec, ShardJob, ShardSink, run_shard
+    from replicas.shards.sink import JobLine, RowSpec, ShardJob, ShardSink, run_shard
     from tests.conftest import ACTIVATION_TOL, assert_close
     from tests.hf_reference import hf_activations
     from tests.test_engine_capture import prompt_ids, settled_stats

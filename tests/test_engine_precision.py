@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.hooks import FINAL_NORM_HOOK
+from replicas.api.hooks import FINAL_NORM_HOOK
 from replicas.tiny import make_tiny_model
 from tests.conftest import start_engine
 from tests.hf_reference import hf_activations

@@ -31,9 +31,9 @@ from deploy.http import (
     to_safetensors,
 )
 from deploy.readiness import FleetStates
-from replicas import arrays
+from replicas.api import arrays
 from replicas.api import GenerateRequest, GenerateResult
-from replicas.errors import (
+from replicas.api.errors import (
     BackPressureError,
     CaptureFailedError,
     DeadlineExceededError,

@@ -22,14 +22,14 @@ import pytest
 from bench.load import left_behind, wait_engine_gone
 from replicas.api import ModelInfo
 from replicas.engine import CaptureEngine
-from replicas.engine_config import EngineConfig
-from replicas.lifeline import OWNER_FILE, SPILL_PREFIX, Owner, Sweeper, engine_lineage, sweep_stale_spill_dirs
+from replicas.engine.config import EngineConfig
+from replicas.arena.lifeline import OWNER_FILE, SPILL_PREFIX, Owner, Sweeper, engine_lineage, sweep_stale_spill_dirs
 
 # The stand-in replica: start an engine, print its identity, then wait to be killed.
 REPLICA = """
 import asyncio, json, os, sys
 from replicas.engine import CaptureEngine
-from replicas.lifeline import engine_processes
+from replicas.arena.lifeline import engine_processes
 
 async def main():
     engine = await CaptureEngine.start({"model": sys.argv[1], "dtype": "float32", "max_model_len": 256}, name="doomed")
@@ -58,7 +58,7 @@ def test_an_owner_is_matched_by_pid_and_start_time():
 
 def test_the_lineage_runs_from_this_process_up_to_the_owner():
     child = subprocess.run(
-        [sys.executable, "-c", "import json, sys; from replicas.lifeline import Owner, engine_lineage;"
+        [sys.executable, "-c", "import json, sys; from replicas.arena.lifeline import Owner, engine_lineage;"
          "print(json.dumps([o.pid for o in engine_lineage(Owner.of(int(sys.argv[1])))]))", str(os.getpid())],
         capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1],
     )

@@ -24,7 +24,7 @@ import pytest
 from bench.common import free_port
 from bench.load import wait_engine_gone, wait_until
 from provider.dataset.shards import finished_shards, load_capture
-from replicas import arrays
+from replicas.api import arrays
 from replicas.tiny import make_tiny_model
 from tests.hf_reference import hf_activations
 

@@ -15,10 +15,10 @@ from deploy.capture_store import CaptureGone, CaptureStore, CaptureTooLarge
 from deploy.config import AppArgs, router_config
 from deploy.openai_responses import ChatStream, CompletionStream, capserve_field, chat_completion, completion, openai_error
 from deploy.openai_translate import OpenAIRequestError, translate_chat, translate_completion, translate_tokenize
-from replicas import arrays
+from replicas.api import arrays
 from replicas.api import Choice, GenerateRequest, GenerateResult, ToolCall
-from replicas.errors import BackPressureError, DeadlineExceededError, InvalidRequestError, ReplicaUnavailableError
-from replicas.streaming import ChoiceDelta, StreamDelta
+from replicas.api.errors import BackPressureError, DeadlineExceededError, InvalidRequestError, ReplicaUnavailableError
+from replicas.api.streaming import ChoiceDelta, StreamDelta
 from tests.test_router import remote
 
 SERVED = ["tiny-llama"]

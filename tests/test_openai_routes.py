@@ -20,10 +20,10 @@ from deploy import openai_routes
 from deploy.config import RouterConfig
 from deploy.http import HttpRouter, api
 from deploy.router import Router
-from replicas import arrays
+from replicas.api import arrays
 from replicas.api import GenerateRequest, GenerateResult, SaeFeatures
-from replicas.errors import BackPressureError, InvalidRequestError, ReplicaUnavailableError
-from replicas.streaming import ChoiceDelta, DeltaTracker, StreamDelta, StreamEnd, stream_generate
+from replicas.api.errors import BackPressureError, InvalidRequestError, ReplicaUnavailableError
+from replicas.api.streaming import ChoiceDelta, DeltaTracker, StreamDelta, StreamEnd, stream_generate
 from tests.test_openai_api import AUTH, HOOK, KEY, SAE, USER, result
 from tests.test_router import INFO, FakePool, FakeSlot
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from bench.common import free_port
-from replicas import arrays
+from replicas.api import arrays
 
 pytestmark = pytest.mark.serve
 

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import torch
 
-from replicas.outbox import Outbox, RequestBuffers, StepRows
+from replicas.worker.outbox import Outbox, RequestBuffers, StepRows
 from tests.arena_host import D_MODEL, HOOKS, request_plan
 
 
@@ -56,7 +56,7 @@ def test_the_step_loop_waits_while_the_backlog_of_unfiled_rows_is_full():
 
 
 def test_a_dead_outbox_thread_fails_the_requests_it_holds_and_every_later_one_at_once():
-    from replicas.errors import OUTBOX_DEAD
+    from replicas.api.errors import OUTBOX_DEAD
     outbox = Outbox(None, D_MODEL)
     plan = request_plan(prompt_len=10, max_tokens=1)
     held, later = (RequestBuffers.for_plan(plan, D_MODEL, 16, None) for _ in range(2))
@@ -73,7 +73,7 @@ def test_a_dead_outbox_thread_fails_the_requests_it_holds_and_every_later_one_at
 def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_path):
     """`take` gives up after the timeout; the outbox then frees the arena blocks of the result
     nobody will read."""
-    from replicas.errors import OUTBOX_STUCK
+    from replicas.api.errors import OUTBOX_STUCK
     outbox = Outbox(str(tmp_path), D_MODEL, timeout_s=0.1)
     buffers = RequestBuffers.for_plan(request_plan(prompt_len=64, max_tokens=1), D_MODEL, 16, outbox.arena_layout)
     assert buffers.rows_per_block  # it files into the arena
@@ -97,7 +97,7 @@ def test_a_stuck_outbox_fails_the_wait_and_frees_the_result_once_it_comes(tmp_pa
 
 
 def test_a_step_loop_waiting_for_backlog_room_gives_up_and_fails_those_rows():
-    from replicas.errors import OUTBOX_STUCK
+    from replicas.api.errors import OUTBOX_STUCK
     outbox = Outbox(None, D_MODEL, backlog_bytes=2000, timeout_s=0.1)
     plan = request_plan(prompt_len=20, max_tokens=1)
     first, second = (RequestBuffers.for_plan(plan, D_MODEL, 16, None) for _ in range(2))

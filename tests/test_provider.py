@@ -25,7 +25,7 @@ from provider.activations import (
 )
 from provider.client import capture_request
 from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo
-from replicas.errors import (
+from replicas.api.errors import (
     BackPressureError,
     CaptureFailedError,
     InvalidRequestError,
@@ -367,7 +367,7 @@ def test_client_capture_many_keeps_order_bounds_concurrency_and_names_the_failin
 
 
 def test_client_calls_end_at_timeout_s_and_cancel_their_request():
-    from replicas.errors import DeadlineExceededError
+    from replicas.api.errors import DeadlineExceededError
 
     app = FakeApp(delay=30.0)
     sent: list[FakeResponse] = []
@@ -385,7 +385,7 @@ def test_client_calls_end_at_timeout_s_and_cancel_their_request():
 def test_client_errors_from_the_router_come_without_ray_s_traceback():
     from ray.exceptions import RayTaskError
 
-    from replicas.errors import DeadlineExceededError
+    from replicas.api.errors import DeadlineExceededError
 
     cause = DeadlineExceededError("no result within routing.request_timeout_s=1 s")
     app = FakeApp(failures=[RayTaskError("capture", "Traceback ...", cause, pid=7, ip="10.0.0.9").as_instanceof_cause()])

@@ -147,7 +147,7 @@ def test_1000_concurrent_mixed_requests_succeed_or_get_backpressure(app, loop, r
 def test_fuzzed_requests_through_the_handle_fail_alone_with_the_field_named(app, figures):
     from hypothesis import HealthCheck, given, settings
 
-    from replicas.errors import InvalidRequestError
+    from replicas.api.errors import InvalidRequestError
     from tests.reliability.fuzz import names_a_field, requests
 
     before = app.fleet.replica_names()

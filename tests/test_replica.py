@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from replicas.api import GenerateResult, ModelInfo
-from replicas.arena_client import ArenaBudget
-from replicas.errors import InvalidRequestError, ReplicaUnavailableError
+from replicas.arena.client import ArenaBudget
+from replicas.api.errors import InvalidRequestError, ReplicaUnavailableError
 from replicas.replica import EngineReplica
 
 INFO = ModelInfo(

@@ -18,7 +18,7 @@ from deploy.readiness import FleetStates
 from deploy.handle_args import capture_request
 from deploy.router import ReplicaPool, ReplicaSlot, Router
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo
-from replicas.errors import BackPressureError, InvalidRequestError, ReplicaUnavailableError
+from replicas.api.errors import BackPressureError, InvalidRequestError, ReplicaUnavailableError
 
 ANSI_RED = "\x1b[31m"
 

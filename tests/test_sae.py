@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from replicas.api import GenerateRequest, GenerateResult, SaeFeatures
-from replicas.engine_config import EngineConfig
-from replicas.errors import InvalidRequestError
-from replicas.plans import SaePlan
-from replicas.sae import DeviceSae, encode_packed, top_features
-from replicas.sae_specs import SaeRows, read_facts
+from replicas.engine.config import EngineConfig
+from replicas.api.errors import InvalidRequestError
+from replicas.plans.request import SaePlan
+from replicas.sae.device import DeviceSae, encode_packed, top_features
+from replicas.sae.specs import SaeRows, read_facts
 from tests.conftest import assert_close, assert_same
 
 REPO = Path(__file__).resolve().parents[1]

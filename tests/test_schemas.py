@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from replicas import arrays
+from replicas.api import arrays
 from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, Intervention
-from replicas.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
-from replicas.plans import (
+from replicas.api.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
+from replicas.plans.request import (
     EXPLICIT,
     MODE_CODES,
     PlanError,
@@ -121,8 +121,8 @@ def test_vectorized_selection_equals_the_per_chunk_one():
 
 
 def test_batch_row_helpers():
-    from replicas.edit_table import fill_ranges
-    from replicas.request_table import Columns
+    from replicas.worker.edit_table import fill_ranges
+    from replicas.worker.request_table import Columns
 
     assert concatenated_ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
     row = np.zeros(8, np.int64)
@@ -163,7 +163,7 @@ def test_plans_reject_what_the_model_or_deployment_cannot_serve():
 
 
 def test_a_kind_the_block_shape_lacks_is_refused_with_the_reason():
-    from replicas.architectures import absent_kinds
+    from replicas.engine.architectures import absent_kinds
 
     parallel = dict(armed_kinds={"resid_post", "resid_mid"}, steer_kinds={"resid_mid"}, absent_kinds=absent_kinds("parallel"))
     with pytest.raises(PlanError, match=r"capture.hooks\[0\]: hook 'blocks.1.ln2.hook_in' does not exist in this model: .*parallel"):
@@ -200,7 +200,7 @@ def test_edit_slots_admit_by_distinct_ops():
     """Requests with the same steering vector share one table row; a new vector waits for a free one."""
     import asyncio
 
-    from replicas.edit_slots import EditSlots
+    from replicas.engine.edit_slots import EditSlots
 
     def edit(vector: list[float]) -> dict:
         return {"layer": 1, "kind": "resid_post", "stage": 0, "op": "add", "vector": arrays.to_raw(np.array(vector, np.float32)),

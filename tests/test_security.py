@@ -14,14 +14,14 @@ import yaml
 
 from deploy import http, http_parts
 from deploy.config import AppArgs, read_api_key, router_config
-from replicas import arrays
+from replicas.api import arrays
 from replicas.replica import EngineReplica
 from tests.test_replica import OPTIONS, FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a request from outside touches: the HTTP layer, the router, schemas and array decoding.
-WIRE_MODULES = [*sorted((ROOT / "deploy").glob("*.py")),
-                *(ROOT / "replicas" / f for f in ("api.py", "arrays.py", "validation.py", "hooks.py", "errors.py", "cost.py"))]
+WIRE_MODULES = [*sorted((ROOT / "deploy").glob("*.py")), *sorted((ROOT / "replicas" / "api").glob("*.py")),
+                ROOT / "replicas" / "plans" / "cost.py"]
 UNSAFE_IMPORTS = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}
 UNSAFE_CALLS = {"eval", "exec", "compile", "__import__"}
 

@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-from replicas.arrays import DTYPES
-from replicas.errors import InvalidRequestError
+from replicas.api.arrays import DTYPES
+from replicas.api.errors import InvalidRequestError
 from replicas.tiny import make_tiny_model
 from tests.hf_reference import hf_activations
 
@@ -281,7 +281,7 @@ def test_a_bad_request_from_a_handle_caller_is_one_warning_line_in_the_router_lo
 def test_http_capture_as_json_or_safetensors_equals_the_handle_capture(app):
     from safetensors.numpy import load
 
-    from replicas import arrays
+    from replicas.api import arrays
 
     request = capture_request(7)
     reference = app.handle.capture.remote(request).result(timeout_s=120)

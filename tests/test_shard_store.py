@@ -1,4 +1,4 @@
-"""Capture folders on fsspec filesystems (`replicas.shard_store`), without Ray: atomic publish on
+"""Capture folders on fsspec filesystems (`replicas.shards.store`), without Ray: atomic publish on
 `memory://`, both writers, resume and `load_capture` on a URL, and the errors for a URL nothing
 here can open. tests/test_cli.py writes a `local://` URL from real replicas (other processes)."""
 
@@ -17,9 +17,9 @@ from provider.dataset.cli import main as cli_main
 from provider.dataset.options import LineFailed, SinkUnreachable
 from provider.dataset.run import run_capture
 from provider.dataset.shards import finished_shards, load_capture, write_shard
-from replicas.errors import InvalidRequestError
-from replicas.shard_store import FsspecStore, LocalStore, open_store
-from replicas.sink import ShardJob, ShardSink, run_shard, sink_folder
+from replicas.api.errors import InvalidRequestError
+from replicas.shards.store import FsspecStore, LocalStore, open_store
+from replicas.shards.sink import ShardJob, ShardSink, run_shard, sink_folder
 from tests.cli_fakes import FakeBackend, FakeSinkBackend
 from tests.test_shards import HOOKS, check_folder, options, prompts, write_lines
 
@@ -79,7 +79,7 @@ def test_a_shard_written_to_memory_reads_back_equal_to_a_local_one(memory_url, t
 def test_pieces_reach_a_local_file_whole_and_in_order_through_short_writes(tmp_path, monkeypatch, most_per_call):
     import os
 
-    from replicas import shard_files
+    from replicas.shards import files as shard_files
 
     rng = np.random.default_rng(0)
     pieces = [rng.integers(0, 255, int(n), np.uint8) for n in rng.integers(0, 700, shard_files.IOV_MAX + 300)]
@@ -140,7 +140,7 @@ def test_unknown_schemes_and_missing_backends_name_the_field(tmp_path):
 
 
 def test_a_replica_refuses_a_job_for_an_unknown_scheme_and_goes_on(tmp_path):
-    from replicas.sink import RowSpec
+    from replicas.shards.sink import RowSpec
 
     job = ShardJob(folder="nosuch://bucket/acts", shard=0, spec=RowSpec(hooks=list(HOOKS)), d_model=8, lines=[])
 
@@ -163,7 +163,7 @@ def test_a_sink_counts_its_writing_time_and_the_faults_of_reading_a_fresh_mappin
     import mmap
 
     from provider.dataset.shards import LineRows
-    from replicas.sink import RowSpec
+    from replicas.shards.sink import RowSpec
 
     d_model, rows = 1024, 16384  # 64 MiB: at least 32 faults even where the kernel maps 2 MiB pages
     source = tmp_path / "arena"

@@ -316,7 +316,7 @@ def test_replica_side_sinks_retry_a_lost_shard_and_resume_a_driver_folder(tmp_pa
 def slow_shard_writes(monkeypatch, shard: int, delay_s: float) -> threading.Event:
     """Shard `shard` takes `delay_s` longer to publish, whichever writer writes it (the delay sits
     in front of its commit, the .safetensors file); the event is set when its write has begun."""
-    from replicas.shard_store import LocalStore
+    from replicas.shards.store import LocalStore
 
     began, atomic_write = threading.Event(), LocalStore.write_atomic
 
@@ -343,8 +343,8 @@ def test_an_interrupted_run_ends_only_after_the_shard_it_was_writing(tmp_path, m
 
 
 def test_a_cancelled_shard_job_ends_only_after_its_write_and_frees_its_slot(tmp_path, monkeypatch):
-    from replicas.errors import BackPressureError
-    from replicas.sink import JobLine, ShardJob, ShardSink, run_shard
+    from replicas.api.errors import BackPressureError
+    from replicas.shards.sink import JobLine, ShardJob, ShardSink, run_shard
 
     began = slow_shard_writes(monkeypatch, 0, 0.3)
     opts, backend = options(), FakeBackend()
@@ -373,7 +373,7 @@ def test_the_auto_window_widens_to_the_shards_the_replicas_hold(tmp_path):
     """The CLI starts with enough shard jobs for --concurrency (2 here), then keeps as many in
     flight as the replica's answers say it holds (sink.max_unwritten 5): jobs being written count
     until their shard is on disk, so the engine gets more lines meanwhile; never more than that."""
-    from replicas.sink import ShardSink
+    from replicas.shards.sink import ShardSink
 
     class Holding(FakeSinkBackend):
         def __init__(self) -> None:

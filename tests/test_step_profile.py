@@ -1,4 +1,4 @@
-"""The step loop's profiler window (replicas/step_profile.py), without an engine."""
+"""The step loop's profiler window (replicas/worker/diagnostics/step_profile.py), without an engine."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from replicas.engine_config import StepProfile
-from replicas.step_profile import StepProfiler, covered, describe_timeline
+from replicas.engine.config import StepProfile
+from replicas.worker.diagnostics.step_profile import StepProfiler, covered, describe_timeline
 
 
 def test_the_window_covers_exactly_its_steps_and_names_capserve_phases(tmp_path):

@@ -16,8 +16,8 @@ from inspect_ai.model import GenerateConfig
 
 from provider.tl_protocol import TLCall, requested
 from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo
-from replicas.arrays import from_raw
-from replicas.errors import InvalidRequestError
+from replicas.api.arrays import from_raw
+from replicas.api.errors import InvalidRequestError
 from tests.test_provider import D_MODEL, FakeApp
 
 D = 8

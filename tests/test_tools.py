@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from replicas.api import Choice, GenerateRequest, GenerateResult
-from replicas.errors import InvalidRequestError
+from replicas.api.errors import InvalidRequestError
 
 ADD = {
     "type": "function",
@@ -106,7 +106,7 @@ def test_choice_content_is_the_text_unless_tools_parsed_it():
 
 
 def test_cost_counts_tool_calls_and_tool_specs():
-    from replicas.cost import estimate_prompt_tokens
+    from replicas.plans.cost import estimate_prompt_tokens
 
     plain = estimate_prompt_tokens(GenerateRequest.model_validate({"prompt": SECOND_TURN}))
     assert estimate_prompt_tokens(GenerateRequest.model_validate({"prompt": SECOND_TURN, "tools": [ADD]})) > plain > 3 * 4
@@ -131,7 +131,7 @@ def test_tiny_template_renders_plain_chats_as_before(tokenizer):
 
 
 def test_tiny_template_renders_tools_calls_and_results_in_hermes_format(tokenizer):
-    from replicas.tools import template_inputs
+    from replicas.engine.tools import template_inputs
 
     system = [{"role": "system", "content": "Be brief."}]
     request = GenerateRequest.model_validate({"prompt": system + SECOND_TURN, "tools": [ADD]})
@@ -172,7 +172,7 @@ def test_a_cached_tiny_model_gets_the_tool_template_and_keeps_its_weights(tmp_pa
 
 @pytest.fixture(scope="module")
 def hermes(tokenizer) -> Any:
-    from replicas.tools import ToolCalling
+    from replicas.engine.tools import ToolCalling
 
     return ToolCalling("hermes", tokenizer)
 
@@ -226,7 +226,7 @@ def test_tool_choice_none_renders_tools_but_parses_nothing(hermes):
     text = '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": 2}}\n</tool_call>'
     assert turn.parse(text, [], "stop") == {"content": text, "tool_calls": None, "finish_reason": "stop"}
     assert turn.sampling_options() == {}
-    from replicas.tools import template_inputs
+    from replicas.engine.tools import template_inputs
 
     assert template_inputs(req(tools=[ADD], tool_choice="none"), turn)[1] == [ADD]
 
@@ -263,7 +263,7 @@ def test_forced_calls_are_constrained_to_hermes_calls_and_parsed(hermes):
 
 
 def test_the_strict_level_pins_every_tools_arguments_and_whitespace_can_be_bounded(tokenizer):
-    from replicas.tools import ToolCalling
+    from replicas.engine.tools import ToolCalling
 
     calling = ToolCalling("hermes", tokenizer, strict_level="parameter")
     tag = structural_tag(calling.turn(req(tools=[ADD], tool_choice="required")).sampling_options())
@@ -275,7 +275,7 @@ def test_the_strict_level_pins_every_tools_arguments_and_whitespace_can_be_bound
 
 
 def test_tools_need_a_parser_unless_tool_choice_is_none(tokenizer):
-    from replicas.tools import ToolCalling
+    from replicas.engine.tools import ToolCalling
 
     calling = ToolCalling(None, tokenizer)
     for choice in (None, "auto", "required"):
@@ -286,7 +286,7 @@ def test_tools_need_a_parser_unless_tool_choice_is_none(tokenizer):
 
 
 def test_an_unknown_parser_fails_at_start_listing_vllms_parsers():
-    from replicas.engine_config import EngineConfig
+    from replicas.engine.config import EngineConfig
 
     config = EngineConfig(model="m", tool_call_parser="hermes2")
     with pytest.raises(ValueError, match=r"tool_call_parser: 'hermes2' is not one of vLLM's tool parsers.*hermes, "):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from replicas.context_switch import LIMITS, SecondContext
+from replicas.worker.context_switch import LIMITS, SecondContext
 
 
 def free_bytes() -> int:

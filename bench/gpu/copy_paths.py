@@ -11,7 +11,7 @@ writes it into registered, mapped host memory (the arena). Ways:
 Each alone, then each on a side stream while the default stream runs matmuls (the forward's
 stand-in): what the matmuls lose is what a step loses.
 
-It repeats, on purpose, the few ctypes lines of `replicas.arena_writer.CudaHostMemory`: importing
+It repeats, on purpose, the few ctypes lines of `replicas.worker.arena_writer.CudaHostMemory`: importing
 `replicas` needs pydantic and ml_dtypes, which a bare GPU host lacks, and this script answers its
 question there in one device call, before the vLLM bundle is uploaded.
 """

@@ -5,7 +5,7 @@ writers ran at 0.74 GB/s each from the arena, 2-2.6 GB/s each in probes from pla
 
 A shared-memory file stands in for the arena. This process maps it, as a replica maps the
 worker's arena, and its threads write shard-sized files into /dev/shm from that mapping, each file
-by vectored writes of 4 MiB pieces (as `replicas.shard_files.write_pieces` does). Modes:
+by vectored writes of 4 MiB pieces (as `replicas.shards.files.write_pieces` does). Modes:
   mapped      only this process maps the file (the probes' case)
   registered  another process has mapped it and registered it with cudaHostRegister (portable,
               mapped), as the worker registers its arena

@@ -12,7 +12,7 @@ CUDA graph per variant and batch size, and the graphs replay in turns for severa
   side      the same copies on a side stream, forked after the attention and joined at the layer's
             end, so the copy runs beside o_proj and the MLP;
   in_place  no copies: the attention writes into the staging buffer and o_proj reads it from there
-            (`attention_in_place`, replicas/sites.py).
+            (`attention_in_place`, replicas/worker/sites.py).
 Reported per batch size: each variant's median replay time in microseconds and its excess over plain.
 """
 

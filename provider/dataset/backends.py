@@ -16,8 +16,8 @@ import json
 from typing import Any, Protocol, runtime_checkable
 
 from replicas.api import GenerateResult, ModelInfo
-from replicas.errors import CaptureFailedError, InvalidRequestError
-from replicas.shard_store import Store
+from replicas.api.errors import CaptureFailedError, InvalidRequestError
+from replicas.shards.store import Store
 
 
 class Backend(Protocol):
@@ -37,7 +37,7 @@ class Backend(Protocol):
 
 @runtime_checkable
 class ShardBackend(Backend, Protocol):
-    """A backend whose replicas can write shards themselves (replicas.sink)."""
+    """A backend whose replicas can write shards themselves (replicas.shards.sink)."""
 
     def shares_folder(self, out: Store) -> bool:
         """Whether the replicas can write the folder `out`."""

@@ -157,7 +157,7 @@ def make_backend(args: argparse.Namespace) -> Any:
 def cmd_capture(args: argparse.Namespace) -> int:
     from provider.dataset.manifest import ManifestMismatch
     from provider.dataset.options import LineFailed, SinkUnreachable
-    from replicas.errors import InvalidRequestError
+    from replicas.api.errors import InvalidRequestError
 
     if not args.input.is_file():
         return _fail(f"input {args.input} is not a file", 2)

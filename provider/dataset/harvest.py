@@ -35,9 +35,9 @@ from provider.dataset.input import InputLine
 from provider.dataset.options import CaptureOptions, LineFailed
 from provider.dataset.shards import LineRows, finished_shards
 from replicas.api import GenerateResult, ModelInfo
-from replicas.errors import InvalidRequestError
-from replicas.shard_store import Store, open_store
-from replicas.sink import RowsMismatch, empty_rows, publish_shard, rows_of
+from replicas.api.errors import InvalidRequestError
+from replicas.shards.store import Store, open_store
+from replicas.shards.sink import RowsMismatch, empty_rows, publish_shard, rows_of
 
 MAX_BACKOFF_S = 20.0
 T = TypeVar("T")

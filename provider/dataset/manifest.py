@@ -28,7 +28,7 @@ from provider.dataset.shards import (
     shard_rows,
 )
 from replicas.api import ModelInfo
-from replicas.shard_store import LocalStore, Store, open_store, write_json_to
+from replicas.shards.store import LocalStore, Store, open_store, write_json_to
 
 
 class ManifestMismatch(ValueError):

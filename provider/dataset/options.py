@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from replicas.api import CaptureSpec
-from replicas.sink import RowSpec
+from replicas.shards.sink import RowSpec
 
 SINKS = ("auto", "replica", "driver")
 

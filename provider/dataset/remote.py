@@ -1,6 +1,6 @@
 """Replica-side sinks, the driver's half: send each shard's lines to the app, collect its index.
 
-With `--sink replica` the replicas write the shards (`replicas.sink`, `Router.capture_shard`):
+With `--sink replica` the replicas write the shards (`replicas.shards.sink`, `Router.capture_shard`):
 this process reads the input, groups its lines by shard (shard k: lines [k*S, (k+1)*S), as on
 the driver path), sends each unfinished shard as one `ShardJob`, and keeps only the
 `ShardIndex` it gets back. Rows never come here. Resume, the manifest and `load_capture` are
@@ -31,9 +31,9 @@ from provider.dataset.input import InputLine
 from provider.dataset.options import CaptureOptions, LineFailed, SinkUnreachable
 from provider.dataset.shards import finished_shards
 from replicas.api import ModelInfo
-from replicas.errors import InvalidRequestError
-from replicas.shard_store import LocalStore, Store, open_store
-from replicas.sink import JobLine, ShardIndex, ShardJob
+from replicas.api.errors import InvalidRequestError
+from replicas.shards.store import LocalStore, Store, open_store
+from replicas.shards.sink import JobLine, ShardIndex, ShardJob
 
 logger = logging.getLogger(__name__)
 

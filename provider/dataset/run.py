@@ -5,7 +5,7 @@ and the shard layout, so a folder begun by one resumes with the other. `options.
 (`provider.dataset.remote.choose_sink`): "replica" has the replicas write their own shards,
 "driver" has this process write them (`provider.dataset.harvest`); "auto" takes replica-side
 sinks when the app's replicas can reach `out`. `out` is a local folder or any fsspec URL
-(`replicas.shard_store`).
+(`replicas.shards.store`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from provider.dataset.manifest import finish_manifest, lock_folder, open_folder
 from provider.dataset.options import CaptureOptions
 from provider.dataset.remote import ShardSender, choose_sink
 from replicas.api import ModelInfo
-from replicas.hooks import resolve_hook
-from replicas.shard_store import Store, open_store
+from replicas.api.hooks import resolve_hook
+from replicas.shards.store import Store, open_store
 
 
 def check_hooks(options: CaptureOptions, info: ModelInfo) -> None:

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from provider.dataset.shards import Capture, load_capture
-from replicas.hooks import HookNameError, resolve_hook
+from replicas.api.hooks import HookNameError, resolve_hook
 
 LAYOUTS = ("exact", "truncate", "pack")
 EXPORT_DTYPES = ("float32", "float16")  # Arrow has no bfloat16; SAELens converts to cfg.dtype on load

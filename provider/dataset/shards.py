@@ -18,7 +18,7 @@ lines a finished shard holds without reading it. A shard is finished exactly whe
 .safetensors file exists: the .jsonl is renamed into place first and the .safetensors last,
 each written to a temporary name, fsynced and renamed, so a crash leaves either a whole shard or
 no shard (plus a temporary file that the next run deletes). The folder may be an fsspec URL
-(`replicas.shard_store`, which says what atomic means there); local folders are memory-mapped,
+(`replicas.shards.store`, which says what atomic means there); local folders are memory-mapped,
 other filesystems are read a shard at a time into memory.
 
 The .safetensors files are written and read here directly (8-byte header length, JSON header,
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from replicas.arrays import DTYPES
-from replicas.shard_files import (  # noqa: F401  (the writing half, re-exported: one format module to import)
+from replicas.api.arrays import DTYPES
+from replicas.shards.files import (  # noqa: F401  (the writing half, re-exported: one format module to import)
     _ST_DTYPES,
     FORMAT,
     INDEX_TENSORS,
@@ -51,7 +51,7 @@ from replicas.shard_files import (  # noqa: F401  (the writing half, re-exported
     write_safetensors,
     write_shard,
 )
-from replicas.shard_store import LocalStore, Store, is_temporary, open_store
+from replicas.shards.store import LocalStore, Store, is_temporary, open_store
 
 MANIFEST = "manifest.json"
 _NP_DTYPES = {code: DTYPES[name] for name, code in _ST_DTYPES.items()}

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from bench.load import CAPTURE_HOOKS, STEER_CHECK_HOOK, STEER_HOOK, STEER_SCALE, steer_vector
-from replicas.hooks import resolve_hook
+from replicas.api.hooks import resolve_hook
 from tests.hf_reference import hf_activations, hf_greedy
 
 TOL = 1e-4

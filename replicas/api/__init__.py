@@ -1,0 +1,35 @@
+"""The request contract, torch- and vLLM-free: what the router, the provider, the replica and the
+worker all read. The schemas (`replicas.api.schemas`) are re-exported here; hook names, errors and
+the array wire format have their own modules in this package."""
+
+from replicas.api.hooks import HookPoint, resolve_hook
+from replicas.api.schemas import (
+    AttentionInfo,
+    CaptureSpec,
+    ChatMessage,
+    Choice,
+    FloatArray,
+    GenerateRequest,
+    GenerateResult,
+    Intervention,
+    LogitsSpec,
+    ModelInfo,
+    NamedToolChoice,
+    NamedToolChoiceFunction,
+    PositionMode,
+    Positions,
+    ResultArray,
+    SaeFeatures,
+    SaeSpec,
+    Tool,
+    ToolCall,
+    ToolCallFunction,
+    ToolFunction,
+)
+
+__all__ = [
+    "HookPoint", "resolve_hook",
+    "AttentionInfo", "CaptureSpec", "ChatMessage", "Choice", "FloatArray", "GenerateRequest", "GenerateResult",
+    "Intervention", "LogitsSpec", "ModelInfo", "NamedToolChoice", "NamedToolChoiceFunction", "PositionMode",
+    "Positions", "ResultArray", "SaeFeatures", "SaeSpec", "Tool", "ToolCall", "ToolCallFunction", "ToolFunction",
+]

@@ -1,0 +1,452 @@
+"""What one request wants from the worker, in the form the worker reads each step.
+
+The engine validates a `GenerateRequest` and turns it into a `WirePlan` (plain dicts, lists and
+bytes, so it rides on `SamplingParams.extra_args` through msgpack); the worker rebuilds a
+`RequestPlan` from it once, the first time the request appears in a step. Selecting rows is pure
+numpy on the positions of the step's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from replicas.api import arrays
+from replicas.api import CaptureSpec, GenerateRequest, Positions
+from replicas.api.errors import PlanError
+from replicas.plans.heads import HeadShapes, captured_sites, head_edit, hook_width, key_positions
+from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, HookPoint, resolve_hook
+
+PLAN_KEY = "capserve"
+WirePlan = dict[str, Any]
+
+
+# ---------------------------------------------------------------- positions
+
+
+# Position modes as integer codes, so one step's selection is computed for every request at once.
+MODE_CODES = {"all": 0, "prompt": 1, "generated": 2, "last_prompt": 3}
+EXPLICIT = -1  # a list of indices: selected request by request
+PHASE_MODES = {"all": "all", "prefill": "prompt", "decode": "generated"}
+
+
+def mode_code(spec: Positions) -> int:
+    return MODE_CODES[spec] if isinstance(spec, str) else EXPLICIT
+
+
+def selected_spans(
+    mode: np.ndarray, start: np.ndarray, count: np.ndarray, prompt_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For chunks of `count` rows whose first row sits at absolute position `start`, the offsets
+    [a, b) each position mode selects (modes are ranges, so no search). Arrays in, arrays out;
+    rows of EXPLICIT mode come out as garbage for the caller to replace."""
+    end = start + count
+    lo = np.where(mode == 2, np.maximum(start, prompt_len), np.where(mode == 3, np.maximum(start, prompt_len - 1), start))
+    # a chunk of the prompt that ends before the generated rows begin selects none of them: its
+    # span stays inside the chunk (the step loop indexes rows with it)
+    lo = np.minimum(lo, end)
+    hi = np.where((mode == 1) | (mode == 3), np.minimum(end, prompt_len), end)
+    return lo - start, np.maximum(hi, lo) - start
+
+
+def concatenated_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), in one pass."""
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def selected_range(spec: Positions, start: int, count: int, prompt_len: int) -> tuple[int, int] | None:
+    """`selected_spans` for one chunk; None for explicit indices."""
+    code = mode_code(spec)
+    if code == EXPLICIT:
+        return None
+    a, b = selected_spans(np.array(code), np.array(start), np.array(count), np.array(prompt_len))
+    return int(a), int(b)
+
+
+def selected_offsets(spec: Positions, start: int, count: int, prompt_len: int) -> np.ndarray:
+    """Offsets (ascending) of the rows a spec selects in such a chunk."""
+    span = selected_range(spec, start, count, prompt_len)
+    if span is not None:
+        return np.arange(*span)
+    wanted = np.unique(absolute_indices(spec, prompt_len))  # type: ignore[arg-type]
+    return wanted[(wanted >= start) & (wanted < start + count)] - start
+
+
+def absolute_indices(indices: list[int], prompt_len: int) -> np.ndarray:
+    """Explicit indices; negative ones count back from the end of the prompt."""
+    return np.array([i + prompt_len if i < 0 else i for i in indices], dtype=np.int64)
+
+
+def value_rows(spec: Positions, positions: np.ndarray, prompt_len: int, n_values: int) -> np.ndarray:
+    """Row of a `set` intervention's values for each selected position (broadcast when 1 row)."""
+    if n_values == 1:
+        return np.zeros(len(positions), dtype=np.int64)
+    if spec in ("all", "prompt"):
+        return positions.astype(np.int64)
+    if spec == "generated":
+        return (positions - prompt_len).astype(np.int64)
+    if spec == "last_prompt":
+        return np.zeros(len(positions), dtype=np.int64)
+    wanted = absolute_indices(spec, prompt_len)  # type: ignore[arg-type]
+    order = {int(p): i for i, p in enumerate(wanted)}
+    return np.array([order[int(p)] for p in positions], dtype=np.int64)
+
+
+def count_positions(spec: Positions, prompt_len: int, max_tokens: int) -> int:
+    """Most rows a spec can select: the sequence fed through the model is prompt + max_tokens - 1."""
+    fed = prompt_len + max_tokens - 1
+    if spec == "all":
+        return fed
+    if spec == "prompt":
+        return prompt_len
+    if spec == "generated":
+        return max_tokens - 1
+    if spec == "last_prompt":
+        return 1
+    return len(spec)
+
+
+def captured_positions(spec: Positions, prompt_len: int, n_rows: int) -> list[int]:
+    """The positions of the first n_rows rows a spec selects. Rows are captured in position order
+    (chunks run in order, re-run rows are skipped), so the rows never need to carry them: a mode
+    selects one range, explicit indices their sorted values."""
+    if not isinstance(spec, str):
+        return np.unique(absolute_indices(spec, prompt_len))[:n_rows].tolist()
+    first = {"generated": prompt_len, "last_prompt": prompt_len - 1}.get(spec, 0)
+    return list(range(first, first + n_rows))
+
+
+def reduced_on_replica(capture: CaptureSpec, prompt_len: int) -> bool:
+    """A mean over rows that may include generated tokens is taken by the replica, not the worker:
+    the engine core can run steps past the tokens the caller gets back (a stop string is matched
+    in vLLM's front end after the core ran on), and only the replica knows where to cut."""
+    if capture.reduce != "mean":
+        return False
+    if isinstance(capture.positions, str):
+        return capture.positions in ("all", "generated")
+    return any(index >= prompt_len for index in capture.positions)
+
+
+def check_positions(field_name: str, spec: Positions, prompt_len: int, max_tokens: int) -> None:
+    if isinstance(spec, str):
+        return
+    fed = prompt_len + max_tokens - 1
+    for index in spec:
+        absolute = index + prompt_len if index < 0 else index
+        if not 0 <= absolute < fed:
+            raise PlanError(
+                f"{field_name}: index {index} is outside the sequence; allowed are "
+                f"-{prompt_len}..{fed - 1} (prompt of {prompt_len} tokens, the last of "
+                f"{max_tokens} generated tokens is never fed through the model)"
+            )
+    if len(set(absolute_indices(spec, prompt_len).tolist())) != len(spec):
+        raise PlanError(f"{field_name}: the same position is listed twice")
+
+
+# ---------------------------------------------------------------- engine side: request -> wire plan
+
+
+def build_wire_plan(
+    key: str,
+    request: GenerateRequest,
+    *,
+    prompt_len: int,
+    n_layers: int,
+    d_model: int,
+    armed_kinds: set[str],
+    steer_kinds: set[str],
+    edit_stages: int,
+    max_capture_bytes: int,
+    steer_layers: set[int] | None = None,
+    absent_kinds: Mapping[str, str] | None = None,
+    d_vocab: int | None = None,
+    max_set_edits: int | None = None,
+    head_shapes: HeadShapes | None = None,
+    saes: Any = None,
+) -> WirePlan | None:
+    """Validate everything that depends on the model and the prompt; None when nothing is asked.
+    `d_vocab` is needed for requests that ask for logits; `max_set_edits` None: no limit;
+    `head_shapes` for the attention hooks; `saes` (a `replicas.sae.specs.SaeCatalog`) for SAE features."""
+    capture, logits = request.capture, request.logits
+    if capture is None and logits is None and not request.interventions and not request.sae:
+        return None
+    plan: WirePlan = {"key": key, "prompt_len": prompt_len}
+    absent = absent_kinds or {}
+    parts: list[tuple[str, str, int, str]] = []  # (field, how, bytes, fix) of what the worker holds
+    if capture is not None:
+        points = [
+            _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent) for i, name in enumerate(capture.hooks)
+        ]
+        check_positions("capture.positions", capture.positions, prompt_len, request.max_tokens)
+        sites = captured_sites(points, capture.hooks)
+        positions = capture.positions
+        if any(p.kind in PATTERN_KINDS for p in points):
+            positions = key_positions(capture, prompt_len)
+        width = max(hook_width(kind, d_model, head_shapes) for _, kind, _ in sites)
+        # the worker keeps every row, in float32, when the replica takes the mean
+        replica_mean = reduced_on_replica(capture, prompt_len)
+        worker_reduces = capture.reduce == "mean" and not replica_mean
+        wire_dtype = "float32" if replica_mean else capture.dtype
+        rows = 1 if worker_reduces else count_positions(positions, prompt_len, request.max_tokens)
+        itemsize = 4 if wire_dtype == "float32" else 2
+        size = rows * width * itemsize * len(sites)
+        parts.append((
+            "capture", f"{len(sites)} hooks x {rows} positions x {width} x {itemsize} bytes", size,
+            "capture fewer hooks or positions, use reduce='mean' or dtype='bfloat16'",
+        ))
+        plan["capture"] = {
+            "sites": sites,
+            "max_rows": count_positions(positions, prompt_len, request.max_tokens),
+            "positions": positions,
+            "reduce": "mean" if worker_reduces else "none",
+            "dtype": wire_dtype,
+            "width": width,
+        }
+    if logits is not None:
+        check_positions("logits.positions", logits.positions, prompt_len, request.max_tokens)
+        if d_vocab is None:
+            raise ValueError("build_wire_plan: a request for logits needs d_vocab")
+        logits_rows = count_positions(logits.positions, prompt_len, request.max_tokens)
+        parts.append((
+            "logits", f"{logits_rows} positions x {d_vocab} x 4 bytes", logits_rows * d_vocab * 4, "ask for fewer logits positions",
+        ))
+        plan["logits"] = {"positions": logits.positions, "max_rows": logits_rows}
+    if request.sae:
+        if saes is None or not saes.facts:
+            raise PlanError("sae: this replica loaded no SAEs (engine option saes)")
+        plan["sae"] = saes.wire(request, prompt_len, d_model, parts)
+    check_bytes(parts, request.n, max_capture_bytes)
+    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent, head_shapes)
+    if max_set_edits is not None:
+        _check_set_edits(request, max_set_edits)
+    return plan
+
+
+def check_bytes(parts: list[tuple[str, str, int, str]], n: int, max_capture_bytes: int) -> None:
+    """What the worker holds for a request — activations and logits, for each of its n
+    completions (each runs and captures in full; the first is returned) — against the cap."""
+    total = sum(size for _, _, size, _ in parts) * n
+    if total <= max_capture_bytes:
+        return
+    if len(parts) == 1:
+        terms = f"{parts[0][1]} = {parts[0][2]} bytes"
+    else:
+        terms = " + ".join(f"{name}: {how} = {size} bytes" for name, how, size, _ in parts)
+    if n > 1:
+        terms = f"({terms}) x n={n} completions (each captures in full)"
+    if n > 1 or len(parts) > 1:
+        terms += f" = {total} bytes"
+    fixes = [fix for _, _, _, fix in parts] + (["lower n"] if n > 1 else [])
+    raise PlanError(
+        f"{'/'.join(name for name, *_ in parts)}{'/n' if n > 1 else ''}: {terms}, over the replica's "
+        f"max_capture_bytes={max_capture_bytes}; {', '.join(fixes)}"
+    )
+
+
+def _check_set_edits(request: GenerateRequest, max_set_edits: int) -> None:
+    sets = [i for i, edit in enumerate(request.interventions) if edit.op == "set"]
+    if len(sets) > max_set_edits:
+        raise PlanError(
+            f"interventions[{sets[max_set_edits]}]: {len(sets)} `set` interventions in one request; this "
+            f"replica takes at most {max_set_edits} (engine option max_set_edits)"
+        )
+
+
+def _armed_point(
+    field_name: str, name: str, n_layers: int, armed_kinds: set[str], option: str = "armed_kinds",
+    absent: Mapping[str, str] | None = None,
+) -> HookPoint:
+    try:
+        point = resolve_hook(name, n_layers)
+    except ValueError as exc:
+        raise PlanError(f"{field_name}: {exc}") from None
+    if absent and point.kind in absent:
+        raise PlanError(f"{field_name}: hook {name!r} does not exist in this model: {absent[point.kind]}")
+    if point.kind != "ln_final" and point.kind not in armed_kinds:
+        raise PlanError(
+            f"{field_name}: hook {name!r} is of kind {point.kind!r}, which this deployment has not "
+            f"armed; armed kinds: {sorted(armed_kinds)} (engine option {option})"
+        )
+    return point
+
+
+def _wire_edits(
+    request: GenerateRequest,
+    prompt_len: int,
+    n_layers: int,
+    d_model: int,
+    steer_kinds: set[str],
+    steer_layers: set[int] | None,
+    edit_stages: int,
+    absent: Mapping[str, str],
+    head_shapes: HeadShapes | None = None,
+) -> list[dict[str, Any]]:
+    edits: list[dict[str, Any]] = []
+    stages: dict[HookPoint, int] = {}
+    for i, edit in enumerate(request.interventions):
+        where = f"interventions[{i}]"
+        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent)
+        if steer_layers is not None and point.layer not in steer_layers:
+            raise PlanError(
+                f"{where}.hook: layer {point.layer} of {edit.hook!r} does not accept interventions in this "
+                f"deployment; steerable layers: {sorted(steer_layers)} (engine option steer_layers)"
+            )
+        check_positions(f"{where}.positions", edit.positions, prompt_len, request.max_tokens)
+        if point.kind in HEAD_KINDS:
+            vector, values, columns, factor = head_edit(where, edit, point.kind, head_shapes)
+        else:
+            vector, values, columns, factor = edit.vector, edit.values, None, edit.factor
+            for name in ("vector", "values"):
+                array = getattr(edit, name)
+                if array is not None and array.shape[-1] != d_model:
+                    raise PlanError(f"{where}.{name}: width {array.shape[-1]} does not match d_model={d_model}")
+        if values is not None and values.ndim == 2 and values.shape[0] != 1:
+            needed = count_positions(edit.positions, prompt_len, request.max_tokens)
+            if edit.positions in ("all", "generated"):
+                raise PlanError(
+                    f"{where}.values: positions={edit.positions!r} covers generated tokens, so values "
+                    f"must be one row [d_model] broadcast to every position (got {values.shape[0]} rows)"
+                )
+            if values.shape[0] != needed:
+                raise PlanError(
+                    f"{where}.values: {values.shape[0]} rows but positions={edit.positions!r} "
+                    f"selects {needed}; give one row per position or a single row to broadcast"
+                )
+        stage = stages.get(point, 0)
+        if stage >= edit_stages:
+            raise PlanError(
+                f"{where}: more than {edit_stages} edits at hook {edit.hook!r}; this replica applies at "
+                f"most {edit_stages} per hook (engine option edit_stages)"
+            )
+        stages[point] = stage + 1
+        edits.append(
+            {
+                "layer": point.layer,
+                "kind": point.kind,
+                "stage": stage,
+                "op": edit.op,
+                "vector": None if vector is None else arrays.to_raw(vector),
+                "values": None if values is None else arrays.to_raw(np.atleast_2d(values)),
+                "columns": None if columns is None else arrays.to_raw(columns),
+                "scale": edit.scale,
+                "norm_match": edit.norm_match,
+                "factor": factor,
+                "positions": edit.positions,
+                "phase": edit.phase,
+            }
+        )
+    return edits
+
+
+# ---------------------------------------------------------------- worker side
+
+
+@dataclass
+class EditPlan:
+    site: tuple[int | None, str]
+    stage: int
+    op: str
+    positions: Positions
+    phase: str
+    direction: np.ndarray | None = None  # unit vector for project_out; raw vector for add
+    values: np.ndarray | None = None
+    scale: float = 1.0
+    norm_match: bool = False
+    factor: float = 1.0
+    columns: np.ndarray | None = None  # per-head sites: a factor per column (the head selector)
+    slot: int = 0  # assigned by the worker
+
+    @property
+    def vectorized(self) -> bool:
+        """Range positions and no per-row values: the step loop selects its rows for every such
+        request at once; the others go request by request (`offsets`)."""
+        return self.op != "set" and mode_code(self.positions) != EXPLICIT
+
+    def offsets(self, start: int, count: int, prompt_len: int) -> np.ndarray:
+        """Offsets of the rows of a chunk this edit touches: its positions within its phase."""
+        phase = selected_range(PHASE_MODES[self.phase], start, count, prompt_len)
+        offsets = selected_offsets(self.positions, start, count, prompt_len)
+        return offsets[(offsets >= phase[0]) & (offsets < phase[1])]
+
+
+@dataclass
+class CapturePlan:
+    sites: list[tuple[int | None, str, str]]
+    positions: Positions
+    reduce: str
+    dtype: str
+    max_rows: int  # positions it can select: the size of its host buffer
+    width: int = 0  # values per row: its widest hook's (narrower hooks are zero-padded); 0: d_model
+
+
+@dataclass
+class SaePlan:
+    """One SAE spec of a request (replicas.sae.specs); `taken` counts the rows handed over so far."""
+
+    sae_id: str
+    hook: str
+    top_k: int
+    positions: Positions
+    error: str  # none | norm | vector
+    max_rows: int
+    taken: int = 0
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> "SaePlan":
+        return cls(wire["sae_id"], wire["hook"], int(wire["top_k"]), wire["positions"], wire["error"], int(wire["max_rows"]))
+
+
+@dataclass
+class RequestPlan:
+    key: str
+    prompt_len: int
+    capture: CapturePlan | None
+    logits_positions: Positions | None
+    logits_rows: int = 0
+    edits: list[EditPlan] = field(default_factory=list)
+    sae: list[SaePlan] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, wire: WirePlan) -> "RequestPlan":
+        capture = wire.get("capture")
+        logits = wire.get("logits")
+        return cls(
+            key=wire["key"],
+            prompt_len=int(wire["prompt_len"]),
+            capture=None if capture is None else CapturePlan(
+                sites=[(layer, kind, name) for layer, kind, name in capture["sites"]],
+                positions=capture["positions"],
+                reduce=capture["reduce"],
+                dtype=capture["dtype"],
+                max_rows=int(capture["max_rows"]),
+                width=int(capture.get("width", 0)),
+            ),
+            logits_positions=None if logits is None else logits["positions"],
+            logits_rows=0 if logits is None else int(logits["max_rows"]),
+            edits=[_edit_from_wire(e) for e in wire.get("edits", [])],
+            sae=[SaePlan.from_wire(s) for s in wire.get("sae", [])],
+        )
+
+
+def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
+    vector = None if wire["vector"] is None else arrays.from_raw(wire["vector"]).astype(np.float32)
+    if wire["op"] == "project_out" and vector is not None:
+        vector = arrays.unit(vector)
+    return EditPlan(
+        site=(wire["layer"], wire["kind"]),
+        stage=int(wire["stage"]),
+        op=wire["op"],
+        positions=wire["positions"],
+        phase=wire["phase"],
+        direction=vector,
+        values=None if wire["values"] is None else arrays.from_raw(wire["values"]).astype(np.float32),
+        scale=float(wire["scale"]),
+        norm_match=bool(wire["norm_match"]),
+        factor=1.0 if wire["factor"] is None else float(wire["factor"]),
+        columns=None if wire.get("columns") is None else arrays.from_raw(wire["columns"]).astype(np.float32),
+    )
+
