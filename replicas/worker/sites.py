@@ -21,7 +21,7 @@ attention kernel writes its output rows straight into the site's staging buffer
 (`_vllm.attend_into`), and the model reads them from there, so capturing z costs no copy; only a
 site that edits copies its edited rows back. (On an H200 the 32 layers' copies
 took 49 µs of a 32-row CUDA-graph decode step of an 8B-shaped stack, bench/gpu/staging_copies.py;
-in the engine, 3-4 ms of a 32-request batch's 1.48 s decode, README.)
+in the engine, 3-4 ms of a 32-request batch's 1.48 s decode, docs/notes/step-loop-overhead.md.)
 
 A per-head site (q, k, v, z: `per_column`) has one more d-wide vector per slot, `columns`,
 multiplied in with `factor` (1 for the identity): a head selector scales, or zeroes before a `set`,
