@@ -1,8 +1,9 @@
 """Ending the slow state a capture leaves on the GPU, by a context switch (engine option `switch_context_every_s`).
 
-Measured on an H200 (README, "Which captures start it"): once a capture has written many rows to
-host memory, this process's CUDA context runs the model's forward ~3 % slower on the device, and
-stays so after the capture ends, until the GPU switches to another context. A kernel on another
+Measured on an H200 (docs/notes/slow-state.md; why it is on by default:
+docs/notes/switch-context-default.md): once a capture has written many rows to host memory, this
+process's CUDA context runs the model's forward ~3 % slower on the device, and stays so after the
+capture ends, until the GPU switches to another context. A kernel on another
 stream of the same context does not end it; an empty kernel launched in a second CUDA context of
 this process does (0.21 ms on the host). So the worker keeps a second context with one empty
 kernel and launches it while steps write rows (at most every `every_s`) and once after the last
