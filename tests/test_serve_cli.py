@@ -3,7 +3,9 @@
 The copy holds what a clone holds (tracked and untracked-but-not-ignored files, no caches) and
 the tiny model is built at replica start into an empty cache. The Ray head is started with
 `ray start --head --block` (in a private temp dir, so no other Ray user here finds it) so the
-test can reach the app's handle; both processes are ours and are stopped by pid at the end.
+README's handle snippet can reach the app; both processes are ours and are stopped by pid at the
+end. The app is started once for the module: its own checks and README.md's Quickstart snippets
+(tests/test_readme.py extracts them) run against it.
 """
 
 from __future__ import annotations
@@ -17,24 +19,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from tests.test_readme import quickstart_snippets, with_port
+
 pytestmark = pytest.mark.serve
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-HANDLE_CALL = """
-import json, ray
-from ray import serve
-ray.init(address="{address}", log_to_driver=False)
-handle = serve.get_app_handle("capserve")
-result = handle.capture.remote({{"prompt": "Hello", "capture": {{"hooks": ["blocks.0.hook_resid_post"]}}}}).result()
-print(json.dumps({{"shape": list(result.activations["blocks.0.hook_resid_post"].shape), "replica": result.replica}}))
-"""
 
 
 def free_port() -> int:
@@ -94,7 +92,31 @@ def wait_until_ready(url: str, serve_run: subprocess.Popen, timeout: float = 600
     raise AssertionError("the app did not answer within the timeout")
 
 
-def test_serve_run_from_a_fresh_copy_answers_handle_and_http(tmp_path):
+@dataclass(frozen=True)
+class Served:
+    repo: Path  # the fresh copy `serve run` runs in
+    url: str
+    http_port: int
+    gcs: str
+    env: dict[str, str]  # a second process's environment (the cluster's RAY_TMPDIR, no RAY_ADDRESS)
+
+
+def wait_for_port(address: str, head: subprocess.Popen, timeout: float = 120) -> None:
+    host, port = address.split(":")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert head.poll() is None, "ray start exited early"
+        with socket.socket() as s:
+            if s.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the Ray head's GCS did not listen on {address} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    """`serve run serve_config.yaml` in a fresh copy of the repository, on a Ray head of its own."""
+    tmp_path = tmp_path_factory.mktemp("serve_cli")
     repo = tmp_path / "capserve"
     fresh_copy(repo)
     config = repo / "serve_config.yaml"
@@ -122,26 +144,57 @@ def test_serve_run_from_a_fresh_copy_answers_handle_and_http(tmp_path):
     )
     serve_run = None
     try:
-        time.sleep(10)  # the head's GCS comes up
+        wait_for_port(gcs, head)  # serve run's ray.init then waits for the GCS to serve
         log = open(tmp_path / "serve_run.log", "w")
         serve_run = subprocess.Popen(
             ["serve", "run", "serve_config.yaml"], cwd=repo, env={**env, "RAY_ADDRESS": gcs}, stdout=log, stderr=log
         )
         url = f"http://127.0.0.1:{http_port}"
         wait_until_ready(url, serve_run)
-        http = httpx.post(f"{url}/v1/generate", json={"prompt": "The river", "max_tokens": 5, "ignore_eos": True}, timeout=60)
-        assert http.status_code == 200 and len(http.json()["token_ids"]) == 5
-        assert httpx.get(f"{url}/healthz").json()["status"] == "ok"
-        call = subprocess.run(
-            [sys.executable, "-c", HANDLE_CALL.format(address=gcs)], cwd=repo, env=env, capture_output=True, text=True,
-            timeout=300,
-        )
-        assert call.returncode == 0, call.stderr[-3000:]
-        answer = json.loads(call.stdout.strip().splitlines()[-1])
-        assert answer["shape"][1] == 128 and answer["replica"]
-        assert any((tmp_path / "cache").iterdir())  # the replicas built the tiny model themselves
+        yield Served(repo=repo, url=url, http_port=http_port, gcs=gcs, env=env)
     finally:
         if serve_run is not None:
             stop(serve_run, signal.SIGINT)
         stop(head, signal.SIGTERM)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_serve_run_from_a_fresh_copy_answers_http_and_builds_the_tiny_model(served):
+    http = httpx.post(f"{served.url}/v1/generate", json={"prompt": "The river", "max_tokens": 5, "ignore_eos": True}, timeout=60)
+    assert http.status_code == 200 and len(http.json()["token_ids"]) == 5
+    assert httpx.get(f"{served.url}/healthz").json()["status"] == "ok"
+    assert any(Path(served.env["CAPSERVE_CACHE"]).iterdir())  # the replicas built the tiny model themselves
+
+
+def test_readme_quickstart_snippets_run_as_written(served):
+    """README.md's Quickstart, Python and curl, against this app: the handle snippet from a second
+    process joined to the cluster, the rest over HTTP. All start at once (the app batches them)."""
+    snippets = quickstart_snippets((served.repo / "README.md").read_text())
+    # curl with --fail-with-body: an HTTP error fails the block; the block's own text is unchanged
+    fail_on_http_errors = 'set -e\ncurl() { command curl --fail-with-body "$@"; }\n'
+    runs = []
+    for snippet in snippets:
+        code = with_port(snippet.code, served.http_port)
+        command = [sys.executable, "-c", code] if snippet.kind == "python" else ["bash", "-c", fail_on_http_errors + code]
+        env = {**served.env, "RAY_ADDRESS": served.gcs}  # the snippet's ray.init(address="auto") finds this cluster
+        runs.append((snippet, subprocess.Popen(command, cwd=served.repo, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True)))
+    outputs = []
+    for snippet, run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, f"README {snippet.kind} snippet failed:\n{snippet.code}\n--- stderr\n{err[-3000:]}"
+        outputs.append((snippet, out))
+    for snippet, out in outputs:
+        if "get_app_handle" in snippet.code:
+            assert "128)" in out  # res.activations[...].shape: [n_prompt_tokens, the tiny model's d_model]
+        if "OpenAI(" in snippet.code:
+            assert "[1, 128]" in out  # the capserve field's last_prompt row
+    curl_out = "".join(out for snippet, out in outputs if snippet.kind == "curl")
+    decoder, at, values = json.JSONDecoder(), 0, []
+    while at < len(curl_out.rstrip()):  # curl's answers, back to back
+        value, at = decoder.raw_decode(curl_out, at)
+        values.append(value)
+        while at < len(curl_out) and curl_out[at].isspace():
+            at += 1
+    assert [v["n_layers"] for v in values if "n_layers" in v] == [4]
+    assert (served.repo / "capture.safetensors").stat().st_size > 0
