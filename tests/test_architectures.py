@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replicas.engine.architectures import layer_kinds
-from replicas.api.hooks import FINAL_NORM_HOOK, HEAD_KINDS, PATTERN_KINDS
+from replicas.api.hooks import FINAL_NORM_HOOK, HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS
 from replicas.tiny import ARCHS as ALL_ARCHS
 from replicas.tiny import make_tiny_model
 from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, armed_with_attention, assert_close, start_engine
@@ -52,7 +52,8 @@ def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root) -> tuple
 def test_every_hook_and_the_logits_match_hf_on_prompt_and_generated_rows(loop, arch):
     name, engine, path, kinds = arch
     info = loop.run(engine.info())
-    assert set(info.armed_kinds) == set(kinds) | set(HEAD_KINDS) | set(PATTERN_KINDS)
+    routers = set(ROUTER_KINDS) if info.moe is not None else set()
+    assert set(info.armed_kinds) == set(kinds) | set(HEAD_KINDS) | set(PATTERN_KINDS) | routers
     hooks = [f"blocks.{i}.hook_{kind}" for i in range(info.n_layers) for kind in kinds] + [FINAL_NORM_HOOK]
     prompt = prompt_ids(PROMPT_LEN, seed=3)
     result = loop.run(engine.generate({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -144,7 +145,7 @@ def test_attention_hooks_match_hf_on_prompt_and_generated_rows(loop, arch):
         # scores: masked exactly where HF's weights are 0, and their softmax is HF's pattern
         scores = result.activations[f"blocks.{i}.attn.hook_attn_scores"]
         np.testing.assert_array_equal(np.isneginf(scores), reference[(i, "pattern")] == 0)
-        assert_close(softmax(scores), reference[(i, "pattern")], atol=ACTIVATION_TOL, rtol=0)
+        assert_close(softmax(scores, sinks_of(info, i)), reference[(i, "pattern")], atol=ACTIVATION_TOL, rtol=0)
     assert result.activations["blocks.0.attn.hook_q"].shape == (len(fed), info.attention.n_heads, info.attention.d_head)
     assert result.activations["blocks.0.attn.hook_k"].shape[1] == info.attention.n_kv_heads
 
@@ -209,7 +210,9 @@ def test_per_head_edits_match_hf_and_leave_the_batch_alone(loop, arch):
     assert_close(plain.logits, hf_logits(path, prompt + plain.token_ids[:-1]), atol=LOGIT_TOL, rtol=0, err_msg=name)
     uniform = flat.activations["blocks.0.attn.hook_pattern"][:, 0]
     visible = uniform > 0
-    expected_uniform = np.where(visible, 1.0 / visible.sum(-1, keepdims=True), 0.0)
+    # every visible key scores 0; a sink (gpt-oss) takes exp(sink) of the weight besides
+    sink = 0.0 if info.attention.sinks is None else np.exp(info.attention.sinks[0][0])
+    expected_uniform = np.where(visible, 1.0 / (visible.sum(-1, keepdims=True) + sink), 0.0)
     assert_close(uniform, expected_uniform, atol=1e-6, rtol=0, err_msg=name)
 
 
@@ -217,6 +220,79 @@ async def together(*requests):
     return await asyncio.gather(*requests)
 
 
-def softmax(scores: np.ndarray) -> np.ndarray:
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    return weights / weights.sum(-1, keepdims=True)
+def softmax(scores: np.ndarray, sinks: list[float] | None = None) -> np.ndarray:
+    """Over the keys of [q, heads, keys] scores; a head's attention sink (gpt-oss) is one more
+    column in the denominator."""
+    extra = np.zeros((scores.shape[1], 1)) if sinks is None else np.asarray(sinks)[:, None]
+    peak = np.maximum(scores.max(-1, keepdims=True), extra)
+    weights = np.exp(scores - peak)
+    return weights / (weights.sum(-1, keepdims=True) + (0 if sinks is None else np.exp(extra - peak)))
+
+
+def sinks_of(info, layer: int) -> list[float] | None:
+    return None if info.attention.sinks is None else info.attention.sinks[layer]
+
+
+MOE_ARCHS = [name for name in ALL_ARCHS if name in ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")]
+routed = pytest.mark.parametrize("arch", MOE_ARCHS, indirect=True)
+
+
+@routed
+def test_router_logits_and_expert_ids_match_hf_on_prompt_and_generated_rows(loop, arch):
+    """Every sparse layer's router logits equal HF's (`output_router_logits`), its expert ids HF's
+    choice exactly (ints); a dense layer's router is refused, naming the layers that have one."""
+    name, engine, path, _ = arch
+    info = loop.run(engine.info())
+    assert info.moe is not None and info.moe.n_experts == 8 and info.moe.top_k == 2, name
+    hooks = [f"blocks.{i}.mlp.hook_{kind}" for i in info.moe.layers for kind in ("router_logits", "expert_ids")]
+    assert set(hooks) <= set(info.hook_names)
+    prompt = prompt_ids(PROMPT_LEN, seed=7)
+    result = loop.run(engine.generate({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                                       "capture": {"hooks": hooks + ["blocks.1.mlp.hook_expert_indices"]}}))
+    fed = prompt + result.token_ids[:-1]
+    reference = hf_activations(path, fed)
+    for i in info.moe.layers:
+        logits = result.activations[f"blocks.{i}.mlp.hook_router_logits"]
+        ids = result.activations[f"blocks.{i}.mlp.hook_expert_ids"]
+        assert logits.shape == (len(fed), 8) and ids.shape == (len(fed), 2) and ids.dtype == np.int32
+        assert_close(logits, reference[(i, "router_logits")], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL, err_msg=f"{name} {i}")
+        np.testing.assert_array_equal(ids, reference[(i, "expert_ids")], err_msg=f"{name} layer {i}")
+    np.testing.assert_array_equal(result.activations["blocks.1.mlp.hook_expert_indices"],
+                                  result.activations["blocks.1.mlp.hook_expert_ids"])
+    dense = sorted(set(range(info.n_layers)) - set(info.moe.layers))
+    if dense:
+        with pytest.raises(ValueError, match=rf"layer {dense[0]} of this model is dense.*{info.moe.layers}"):
+            loop.run(engine.generate({"prompt": prompt, "max_tokens": 1, "capture": {"hooks": [f"{dense[0]}:router_logits"]}}))
+
+
+@routed
+def test_router_edits_reroute_as_hf_and_leave_the_batch_alone(loop, arch):
+    """Forbidding an expert (-1e4 on its logit) and forcing another (+1e4) route as HF routes the
+    same edited logits: the forbidden expert is never chosen, the forced one always, greedy tokens
+    and logits equal HF's; a request beside them in the batch is unchanged, and expert ids
+    cannot be edited."""
+    name, engine, path, _ = arch
+    info = loop.run(engine.info())
+    first, last = info.moe.layers[0], info.moe.layers[-1]
+    prompt = prompt_ids(16, seed=25)
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+    hooks = [f"blocks.{first}.mlp.hook_expert_ids", f"blocks.{last}.mlp.hook_expert_ids"]
+    plain = loop.run(engine.generate(base | {"capture": {"hooks": hooks}}))
+    busiest = int(np.bincount(plain.activations[hooks[0]].ravel(), minlength=8).argmax())
+    rarest = int(np.bincount(plain.activations[hooks[1]].ravel(), minlength=8).argmin())
+    forbid, force = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    forbid[busiest], force[rarest] = -1e4, 1e4
+    edits = [{"hook": f"blocks.{first}.mlp.hook_router_logits", "op": "add", "vector": forbid},
+             {"hook": f"blocks.{last}.mlp.hook_router_logits", "op": "add", "vector": force}]
+    edited, beside = loop.run(together(engine.generate(base | {"interventions": edits, "capture": {"hooks": hooks}}),
+                                       engine.generate(base | {"capture": {"hooks": hooks}})))
+    assert busiest not in edited.activations[hooks[0]] and (edited.activations[hooks[1]] == rarest).any(1).all(), name
+    shift = {first: torch.from_numpy(forbid), last: torch.from_numpy(force)}
+    reference_edits = [(layer, "router_logits", lambda x, v=v: x + v) for layer, v in shift.items()]
+    assert edited.token_ids == hf_greedy(path, prompt, 4, edits=reference_edits), name
+    assert_close(edited.logits, hf_logits(path, prompt + edited.token_ids[:-1], edits=reference_edits), atol=LOGIT_TOL,
+                 rtol=0, err_msg=name)
+    assert beside.token_ids == plain.token_ids and np.array_equal(beside.activations[hooks[0]], plain.activations[hooks[0]])
+    assert_close(beside.logits, hf_logits(path, prompt + beside.token_ids[:-1]), atol=LOGIT_TOL, rtol=0, err_msg=name)
+    with pytest.raises(ValueError, match="router's choice and cannot be edited.*hook_router_logits"):
+        loop.run(engine.generate(base | {"interventions": [{"hook": hooks[0], "op": "scale", "factor": 0.0}]}))

@@ -38,6 +38,25 @@ def test_block_shapes_and_their_kinds():
     assert layer_kinds("sandwich") == layer_kinds("pre_norm") and len(layer_kinds("pre_norm")) == 5
 
 
+def test_mixture_of_experts_shapes_come_from_the_config_and_refused_families_say_why():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from replicas.engine.architectures import MoeShape, moe_shape
+
+    qwen = Qwen3MoeConfig(num_hidden_layers=6, num_experts=16, num_experts_per_tok=4, mlp_only_layers=[0], decoder_sparse_step=2)
+    assert moe_shape("Qwen3MoeForCausalLM", qwen) == MoeShape(n_experts=16, top_k=4, layers=(1, 3, 5))
+    assert moe_shape("MixtralForCausalLM", MixtralConfig(num_hidden_layers=3)) == MoeShape(8, 2, (0, 1, 2))
+    assert moe_shape("LlamaForCausalLM", qwen) is None
+    assert layer_kinds("pre_norm", moe_shape("MixtralForCausalLM", MixtralConfig()))[-2:] == ("router_logits", "expert_ids")
+    with pytest.raises(UnsupportedArchitectureError, match="'DeepseekV2ForCausalLM' is not supported: its multi-head latent"):
+        block_shape("DeepseekV2ForCausalLM")
+    with pytest.raises(UnsupportedArchitectureError, match="'Qwen2MoeForCausalLM' is not supported: vLLM's MoE runner fuses"):
+        block_shape("Qwen2MoeForCausalLM")
+    with pytest.raises(ValueError, match="steer_kinds: 'expert_ids' is the router's choice"):
+        EngineConfig(model="m", steer_kinds=["expert_ids"]).steerable_kinds()
+    assert "expert_ids" not in EngineConfig(model="m", armed_kinds=["router_logits", "expert_ids"]).steerable_kinds()
+
+
 def test_the_default_kinds_follow_the_shape_and_a_missing_one_asked_by_name_is_refused():
     config = EngineConfig(model="m")
     assert "resid_mid" not in config.for_checkpoint("parallel", None).armed_kinds

@@ -172,6 +172,30 @@ def test_a_kind_the_block_shape_lacks_is_refused_with_the_reason():
         plan({"interventions": [{"hook": "0:resid_mid", "op": "scale", "factor": 2.0}]}, **parallel)
 
 
+def test_router_hooks_are_planned_at_their_own_widths_on_sparse_layers_only():
+    from replicas.api import MoeInfo
+    from replicas.engine.architectures import absent_kinds
+
+    moe = dict(armed_kinds={"resid_post", "router_logits", "expert_ids"}, steer_kinds={"router_logits"},
+               moe=MoeInfo(n_experts=8, top_k=2, layers=[1, 2, 3]), max_capture_bytes=10_000)
+    wire = plan({"capture": {"hooks": ["blocks.1.mlp.hook_expert_ids", "2:router_logits"]}}, **moe)
+    assert wire["capture"]["width"] == 8  # the widest of the two: n_experts
+    wire = plan({"capture": {"hooks": ["blocks.1.mlp.hook_expert_indices"]}}, **moe)
+    assert (wire["capture"]["width"], wire["capture"]["sites"]) == (2, [[1, "expert_ids", "blocks.1.mlp.hook_expert_indices"]])
+    with pytest.raises(PlanError, match=r"layer 0 of this model is dense \(no router\); the layers with a router are \[1, 2, 3\]"):
+        plan({"capture": {"hooks": ["0:router_logits"]}}, **moe)
+    with pytest.raises(PlanError, match="width 4 does not match the router's n_experts=8"):
+        plan({"interventions": [{"hook": "1:router_logits", "op": "add", "vector": [1.0] * 4}]}, **moe)
+    assert plan({"interventions": [{"hook": "1:router_logits", "op": "add", "vector": [0.0] * 7 + [-1e4]}]}, **moe)
+    with pytest.raises(PlanError, match="'mean' does not apply to expert ids"):
+        plan({"capture": {"hooks": ["1:expert_ids"], "reduce": "mean"}}, **moe)
+    with pytest.raises(ValueError, match="router's choice and cannot be edited.*hook_router_logits"):
+        Intervention.model_validate({"hook": "1:expert_ids", "op": "scale", "factor": 0.0})
+    dense = dict(armed_kinds={"resid_post"}, absent_kinds=absent_kinds("pre_norm"))
+    with pytest.raises(PlanError, match="does not exist in this model: this model has no mixture-of-experts layers"):
+        plan({"capture": {"hooks": ["blocks.0.mlp.hook_router_logits"]}}, **dense)
+
+
 @pytest.mark.parametrize(
     "positions, max_tokens, on_replica",
     [("prompt", 4, False), ("last_prompt", 4, False), ([0, -1], 4, False), ("all", 4, True), ("generated", 4, True), ([2, 11], 4, True)],

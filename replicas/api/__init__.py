@@ -14,6 +14,7 @@ from replicas.api.schemas import (
     Intervention,
     LogitsSpec,
     ModelInfo,
+    MoeInfo,
     NamedToolChoice,
     NamedToolChoiceFunction,
     PositionMode,
@@ -30,6 +31,6 @@ from replicas.api.schemas import (
 __all__ = [
     "HookPoint", "resolve_hook",
     "AttentionInfo", "CaptureSpec", "ChatMessage", "Choice", "FloatArray", "GenerateRequest", "GenerateResult",
-    "Intervention", "LogitsSpec", "ModelInfo", "NamedToolChoice", "NamedToolChoiceFunction", "PositionMode",
+    "Intervention", "LogitsSpec", "ModelInfo", "MoeInfo", "NamedToolChoice", "NamedToolChoiceFunction", "PositionMode",
     "Positions", "ResultArray", "SaeFeatures", "SaeSpec", "Tool", "ToolCall", "ToolCallFunction", "ToolFunction",
 ]

@@ -12,10 +12,12 @@ import re
 from typing import Iterable, Literal, NamedTuple, get_args
 
 LayerKind = Literal[
-    "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores"
+    "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores",
+    "router_logits", "expert_ids",
 ]
 HookKind = Literal[
-    "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores", "ln_final"
+    "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores",
+    "router_logits", "expert_ids", "ln_final",
 ]
 ALL_LAYER_KINDS: tuple[LayerKind, ...] = get_args(LayerKind)
 # The residual-stream kinds, armed by default; the attention kinds are armed by config.
@@ -25,6 +27,9 @@ LAYER_KINDS: tuple[LayerKind, ...] = ALL_LAYER_KINDS[:5]
 HEAD_KINDS: tuple[LayerKind, ...] = ("q", "k", "v", "z")
 # Computed on the replica from the layer's captured q and k: [q_pos, heads, k_pos].
 PATTERN_KINDS: tuple[LayerKind, ...] = ("pattern", "attn_scores")
+# A mixture-of-experts layer's router: its logits before the softmax [pos, n_experts], and the
+# experts it chose [pos, top_k] (ints, in the router's order), as vLLM's router computed them.
+ROUTER_KINDS: tuple[LayerKind, ...] = ("router_logits", "expert_ids")
 FINAL_NORM_HOOK = "ln_final.hook_normalized"
 
 _CANONICAL_SUFFIX = {
@@ -38,6 +43,9 @@ _ATTENTION_SUFFIX = {f"attn.hook_{kind}": kind for kind in (*HEAD_KINDS, *PATTER
     # served after rotary: TransformerLens's rotated names are the same values
     "attn.hook_rot_q": "q",
     "attn.hook_rot_k": "k",
+}
+_ROUTER_SUFFIX = {f"mlp.hook_{kind}": kind for kind in ROUTER_KINDS} | {
+    "mlp.hook_expert_indices": "expert_ids",  # HookedTransformer's MoE name
 }
 _BRIDGE_SUFFIX = {
     "attn.q.hook_out": "q",
@@ -66,6 +74,8 @@ class HookPoint(NamedTuple):
             return FINAL_NORM_HOOK
         if self.kind in HEAD_KINDS or self.kind in PATTERN_KINDS:
             return f"blocks.{self.layer}.attn.hook_{self.kind}"
+        if self.kind in ROUTER_KINDS:
+            return f"blocks.{self.layer}.mlp.hook_{self.kind}"
         return f"blocks.{self.layer}.hook_{self.kind}"
 
     @property
@@ -87,7 +97,8 @@ def resolve_hook(name: str, n_layers: int | None = None) -> HookPoint:
         raise HookNameError(
             f"hook {name!r} is not a known hook name; use blocks.<i>.hook_<kind> with kind in "
             f"{', '.join(LAYER_KINDS)} or blocks.<i>.attn.hook_<kind> with kind in "
-            f"{', '.join(HEAD_KINDS + PATTERN_KINDS)} (TransformerLens names), the TransformerBridge aliases "
+            f"{', '.join(HEAD_KINDS + PATTERN_KINDS)} (TransformerLens names), blocks.<i>.mlp.hook_<kind> with kind in "
+            f"{', '.join(ROUTER_KINDS)} (mixture-of-experts models), the TransformerBridge aliases "
             f"blocks.<i>.hook_in / ln2.hook_in / hook_out / attn.hook_out / mlp.hook_out / attn.q.hook_out / "
             f"attn.k.hook_out / attn.v.hook_out / attn.o.hook_in, '<i>:<kind>' wire keys, or {FINAL_NORM_HOOK!r}"
         )
@@ -109,15 +120,18 @@ def _parse(name: str) -> HookPoint | None:
     block = _BLOCK_NAME.match(name)
     if block:
         suffix = block.group(2)
-        kind = _CANONICAL_SUFFIX.get(suffix) or _ATTENTION_SUFFIX.get(suffix) or _BRIDGE_SUFFIX.get(suffix)
+        kind = (_CANONICAL_SUFFIX.get(suffix) or _ATTENTION_SUFFIX.get(suffix) or _ROUTER_SUFFIX.get(suffix)
+                or _BRIDGE_SUFFIX.get(suffix))
         return HookPoint(int(block.group(1)), kind) if kind else None  # type: ignore[arg-type]
     return None
 
 
-def served_hook_names(n_layers: int, kinds: Iterable[str] = LAYER_KINDS) -> list[str]:
-    """Canonical names of every hook point served on `n_layers` layers with these kinds armed."""
-    armed = set(kinds)
-    names = [HookPoint(i, k).canonical_name for i in range(n_layers) for k in ALL_LAYER_KINDS if k in armed]
+def served_hook_names(n_layers: int, kinds: Iterable[str] = LAYER_KINDS, router_layers: Iterable[int] = ()) -> list[str]:
+    """Canonical names of every hook point served on `n_layers` layers with these kinds armed; the
+    router kinds on `router_layers` alone (a mixture-of-experts model's sparse layers)."""
+    armed, routed = set(kinds), set(router_layers)
+    names = [HookPoint(i, k).canonical_name for i in range(n_layers) for k in ALL_LAYER_KINDS
+             if k in armed and (k not in ROUTER_KINDS or i in routed)]
     return names + [FINAL_NORM_HOOK]
 
 

@@ -121,6 +121,11 @@ class Intervention(BaseModel):
             raise ValueError(f"hook {hook!r} cannot be edited; edit a layer's hook instead")
         if kind in PATTERN_KINDS:
             raise ValueError(f"hook {hook!r} is computed from q and k and cannot be edited; edit hook_q or hook_k")
+        if kind == "expert_ids":
+            raise ValueError(
+                f"hook {hook!r} is the router's choice and cannot be edited; to force or forbid an expert, add "
+                f"+1e4 or -1e4 at its index to the same layer's mlp.hook_router_logits"
+            )
         return hook
 
     @model_validator(mode="after")
@@ -449,6 +454,19 @@ class AttentionInfo(BaseModel):
     scale: list[float]
     soft_cap: list[float] = Field(description="Logit soft-capping (0: none).")
     sliding_window: list[int | None] = Field(description="Keys within this many positions of the query (itself included); None: all.")
+    sinks: list[list[float]] | None = Field(
+        None, description="Per layer, each head's attention sink logit (gpt-oss): a column every query's softmax "
+        "takes weight from, that no key holds; None: the model has none."
+    )
+
+
+class MoeInfo(BaseModel):
+    """A mixture-of-experts model's routers."""
+
+    model_config = ConfigDict(extra="forbid")
+    n_experts: int = Field(description="Experts each router chooses from: the width of hook_router_logits.")
+    top_k: int = Field(description="Experts each token is routed to: the width of hook_expert_ids.")
+    layers: list[int] = Field(description="The layers with a router; the others have a dense MLP.")
 
 
 class ModelInfo(BaseModel):
@@ -463,3 +481,4 @@ class ModelInfo(BaseModel):
     hook_names: list[str]
     armed_kinds: list[str]
     attention: AttentionInfo | None = None
+    moe: MoeInfo | None = Field(None, description="The routers; None for a dense model.")

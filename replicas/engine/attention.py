@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from replicas.api import arrays
-from replicas.api import AttentionInfo, CaptureSpec
-from replicas.plans.heads import HeadShapes, captured_sites
+from replicas.api import AttentionInfo, CaptureSpec, MoeInfo
 from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, resolve_hook
+from replicas.plans.heads import HeadShapes, captured_sites, hook_width
 from replicas.plans.request import absolute_indices
 
 
@@ -36,6 +36,7 @@ async def attention_info(llm: Any) -> AttentionInfo:
         scale=[layer["scale"] for layer in layers],
         soft_cap=[layer["soft_cap"] for layer in layers],
         sliding_window=[layer["sliding_window"] for layer in layers],
+        sinks=[layer["sinks"] for layer in layers] if any(layer["sinks"] for layer in layers) else None,
     )
 
 
@@ -59,11 +60,12 @@ def finish_capture(
     d_model: int,
     attention: AttentionInfo | None,
     widened: bool,
+    moe: MoeInfo | None = None,
 ) -> tuple[dict[str, np.ndarray], list[int]]:
     """The caller's arrays, keyed by the names it used: each hook cut to its own width (a
     request's rows are as wide as its widest hook), per-head hooks as [pos, heads, d_head],
-    patterns computed; and, when the worker captured more positions for a pattern's keys
-    (`widened`), only the rows at the positions the request asked for."""
+    expert ids as int32, patterns computed; and, when the worker captured more positions for a
+    pattern's keys (`widened`), only the rows at the positions the request asked for."""
     shapes = head_shapes(attention) or {}
     points = [resolve_hook(name) for name in capture.hooks]
     site_names: dict[tuple[int, str], str] = {}
@@ -77,11 +79,16 @@ def finish_capture(
             q = _per_head(activations[site_names[(point.layer, "q")]], shapes["q"])
             k = _per_head(activations[site_names[(point.layer, "k")]], shapes["k"])
             scores = attention_scores(q[keep], all_positions[keep], k, attention, point.layer)
-            result = scores if point.kind == "attn_scores" else softmax(scores)
+            result = scores if point.kind == "attn_scores" else softmax(scores, _sinks(attention, point.layer))
             out[name] = result.astype(arrays.DTYPES[capture.dtype])
             continue
         array = activations[name]
-        array = _per_head(array, shapes[point.kind]) if point.kind in HEAD_KINDS else array[..., :d_model]
+        if point.kind in HEAD_KINDS:
+            array = _per_head(array, shapes[point.kind])
+        else:
+            array = array[..., : hook_width(point.kind, d_model, None, moe)]
+        if point.kind == "expert_ids":  # staged in the model's dtype, which holds them exactly
+            array = np.rint(array.astype(np.float32)).astype(np.int32)
         out[name] = array[keep] if widened else array
     return out, all_positions[keep].tolist()
 
@@ -128,7 +135,18 @@ def attention_scores(
     return np.where(visible[:, None, :], scores, np.float32(-np.inf)).astype(np.float32)
 
 
-def softmax(scores: np.ndarray) -> np.ndarray:
+def _sinks(attention: AttentionInfo | None, layer: int) -> np.ndarray | None:
+    return None if attention is None or attention.sinks is None else np.asarray(attention.sinks[layer], np.float32)
+
+
+def softmax(scores: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
+    """Over the keys ([..., heads, keys]); with attention sinks (one logit per head), each head's
+    sink takes its share of the weight as a key no one reads would, so rows sum to less than 1."""
     peak = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        peak = np.maximum(peak, sinks[:, None])
     weights = np.exp(scores - peak)
-    return weights / weights.sum(axis=-1, keepdims=True)
+    total = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks[:, None] - peak)
+    return weights / total

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from replicas.api import arrays
-from replicas.api import GenerateRequest, GenerateResult, ModelInfo
-from replicas.engine.architectures import BlockShape, absent_kinds, block_shape
+from replicas.api import GenerateRequest, GenerateResult, ModelInfo, MoeInfo
+from replicas.engine.architectures import BlockShape, MoeShape, absent_kinds, block_shape, moe_shape
 from replicas.arena.host import (
     ArenaLayout, ArenaReader, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path, delete_files, stored_in,
 )
@@ -55,11 +55,15 @@ logger = logging.getLogger("capserve.engine")
 
 
 class CaptureEngine:
-    def __init__(self, llm: Any, config: EngineConfig, info: ModelInfo, name: str | None = None, shape: BlockShape = "pre_norm"):
+    def __init__(
+        self, llm: Any, config: EngineConfig, info: ModelInfo, name: str | None = None, shape: BlockShape = "pre_norm",
+        moe: MoeShape | None = None,
+    ):
         self.llm = llm
         self.config = config
         self._info = info
         self.shape = shape
+        self.moe = moe
         self.name = name
         # skip_tokenizer_init (benchmarks on dummy weights): prompts must then be token ids
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
@@ -96,7 +100,8 @@ class CaptureEngine:
         _vllm.skip_foreign_capture_plugins()
         architecture, hf_config, checkpoint_dtype = checkpoint_facts(config)
         shape = block_shape(architecture, hf_config)  # refuses an undeclared architecture before vLLM starts
-        config = config.for_checkpoint(shape, checkpoint_dtype, hf_config)
+        moe = moe_shape(architecture, hf_config)
+        config = config.for_checkpoint(shape, checkpoint_dtype, hf_config, moe)
         logger.info(
             "engine %s: %s (%s blocks), dtype %s%s, vLLM %s", name, architecture, shape, config.dtype,
             " (the checkpoint's own)" if checkpoint_dtype and config.dtype == checkpoint_dtype else "", version,
@@ -109,8 +114,8 @@ class CaptureEngine:
         owner.write(spill_dir)
         llm = None
         try:
-            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape, asdict(owner))))
-            engine = cls(llm, config, _model_info(llm, config), name, shape)
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape, asdict(owner), moe)))
+            engine = cls(llm, config, _model_info(llm, config, moe), name, shape, moe)
             engine._info.attention = await attention_info(llm)
             outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
             if outside:
@@ -373,11 +378,12 @@ class CaptureEngine:
                 steer_layers=None if self.config.steer_layers is None else set(self.config.steer_layers),
                 edit_stages=self.config.edit_stages,
                 max_capture_bytes=self.config.max_capture_bytes,
-                absent_kinds=absent_kinds(self.shape),
+                absent_kinds=absent_kinds(self.shape, self.moe),
                 d_vocab=self._info.d_vocab,
                 max_set_edits=self.config.max_set_edits,
                 head_shapes=head_shapes(self._info.attention),
                 saes=self.saes,
+                moe=self._info.moe,
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
@@ -436,7 +442,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _model_info(llm: Any, config: EngineConfig) -> ModelInfo:
+def _model_info(llm: Any, config: EngineConfig, moe: MoeShape | None = None) -> ModelInfo:
     model_config = llm.model_config
     hf = model_config.hf_config
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
@@ -449,7 +455,8 @@ def _model_info(llm: Any, config: EngineConfig) -> ModelInfo:
         d_vocab=int(model_config.get_vocab_size()),
         max_model_len=int(model_config.max_model_len),
         dtype=str(model_config.dtype).removeprefix("torch."),
-        hook_names=served_hook_names(n_layers, config.armed_kinds),
+        hook_names=served_hook_names(n_layers, config.armed_kinds, moe.layers if moe is not None else ()),
         armed_kinds=list(config.armed_kinds),
+        moe=MoeInfo(n_experts=moe.n_experts, top_k=moe.top_k, layers=list(moe.layers)) if moe is not None else None,
     )
 

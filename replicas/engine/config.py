@@ -3,12 +3,13 @@ checkpoint decides (its architecture's block shape, and for dtype auto its own d
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replicas.engine.architectures import BlockShape, absent_kinds, layer_kinds
 from replicas.api.hooks import LAYER_KINDS, PATTERN_KINDS, LayerKind
+from replicas.engine.architectures import BlockShape, MoeShape, absent_kinds, layer_kinds
 from replicas.sae.specs import SaeConfig, check_saes
 
 LOCKED_SETTINGS: dict[str, Any] = {
@@ -31,6 +32,13 @@ LOCKED_REASON = (
 
 
 DEFAULT_ARENA_RESERVE_BYTES = {"gpu": 1 << 30, "cpu": 64 << 20}
+
+# Kinds a request can read but not edit, and what to edit instead.
+READ_ONLY_KINDS: dict[str, str] = {
+    **{kind: "is computed from q and k on the replica and cannot be edited; edit q or k instead" for kind in PATTERN_KINDS},
+    "expert_ids": "is the router's choice and cannot be edited; to force or forbid an expert, add +1e4 or -1e4 at "
+    "its index to the same layer's blocks.<i>.mlp.hook_router_logits",
+}
 
 
 class StepProfile(BaseModel):
@@ -213,11 +221,13 @@ class EngineConfig(BaseModel):
             )
         return self
 
-    def for_checkpoint(self, shape: BlockShape, checkpoint_dtype: str | None, text_config: Any = None) -> "EngineConfig":
+    def for_checkpoint(
+        self, shape: BlockShape, checkpoint_dtype: str | None, text_config: Any = None, moe: MoeShape | None = None
+    ) -> "EngineConfig":
         """This config with what the checkpoint decides filled in: the kinds its blocks have
         (a kind they lack, asked for by name, is an error) and, for dtype auto, its own dtype.
         With the checkpoint's text config, its SAEs are checked against the model."""
-        kinds, absent = layer_kinds(shape), absent_kinds(shape)
+        kinds, absent = layer_kinds(shape, moe), absent_kinds(shape, moe)
         for name in ("armed_kinds", "steer_kinds"):
             lacking = [k for k in getattr(self, name) or () if k in absent]
             if lacking:
@@ -231,7 +241,8 @@ class EngineConfig(BaseModel):
         return self.model_copy(update=update)
 
     def engine_args(
-        self, spill_dir: str | None = None, shape: BlockShape = "pre_norm", owner: dict[str, Any] | None = None
+        self, spill_dir: str | None = None, shape: BlockShape = "pre_norm", owner: dict[str, Any] | None = None,
+        moe: MoeShape | None = None,
     ) -> dict[str, Any]:
         """vLLM's engine arguments; `owner` (pid, start time) is the process the engine dies with."""
         for key in LOCKED_SETTINGS:
@@ -262,6 +273,7 @@ class EngineConfig(BaseModel):
         args["additional_config"] = {
             "capserve": {
                 "block_shape": shape,
+                "moe": asdict(moe) if moe is not None else None,
                 "armed_kinds": list(self.armed_kinds or LAYER_KINDS),
                 "steer_kinds": self.steerable_kinds(),
                 "steer_layers": self.steer_layers,
@@ -289,13 +301,10 @@ class EngineConfig(BaseModel):
     def steerable_kinds(self) -> list[str]:
         armed = self.armed_kinds or LAYER_KINDS
         if self.steer_kinds is None:
-            return [kind for kind in armed if kind not in PATTERN_KINDS]
-        computed = [kind for kind in self.steer_kinds if kind in PATTERN_KINDS]
-        if computed:
-            raise ValueError(
-                f"steer_kinds: {computed[0]!r} is computed from q and k on the replica and cannot be edited; "
-                f"edit q or k instead"
-            )
+            return [kind for kind in armed if kind not in READ_ONLY_KINDS]
+        read_only = [kind for kind in self.steer_kinds if kind in READ_ONLY_KINDS]
+        if read_only:
+            raise ValueError(f"steer_kinds: {read_only[0]!r} {READ_ONLY_KINDS[read_only[0]]}")
         unarmed = set(self.steer_kinds) - set(armed)
         if unarmed:
             raise ValueError(f"steer_kinds {sorted(unarmed)} are not in armed_kinds {list(armed)}")

@@ -79,7 +79,7 @@ def add_captured(
     if finish.capture is not None:
         result.activations, result.positions = finish_capture(
             activations, taken["positions"][:kept], finish.capture, len(result.prompt_token_ids), info.d_model,
-            info.attention, finish.widened,
+            info.attention, finish.widened, info.moe,
         )
     result.capture_token_ids = [sequence[p] for p in result.positions]
     if taken["logits"] is not None:

@@ -1,6 +1,7 @@
 """The parts of a request's plan that concern attention: the width of each hook's rows, the q and
 k a pattern is computed from, and per-head edits as full rows with a factor per column
-(replicas.worker.sites). Used by `replicas.plans.request` (engine side) and `replicas.engine.attention` (the replica)."""
+(replicas.worker.sites). Used by `replicas.plans.request` (engine side) and `replicas.engine.attention` (the replica).
+Router hooks (mixture-of-experts) have widths of their own, here too."""
 
 from __future__ import annotations
 
@@ -9,15 +10,20 @@ from typing import Any
 
 import numpy as np
 
-from replicas.api import CaptureSpec, Positions
+from replicas.api import CaptureSpec, MoeInfo, Positions
 from replicas.api.errors import PlanError
-from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, HookPoint
+from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS, HookPoint
 
 HeadShapes = Mapping[str, tuple[int, int]]  # per-head kind -> (heads, d_head)
 
 
-def hook_width(kind: str, d_model: int, head_shapes: HeadShapes | None) -> int:
-    """Values per row at a hook of this kind: d_model, or heads x d_head inside attention."""
+def hook_width(kind: str, d_model: int, head_shapes: HeadShapes | None, moe: MoeInfo | None = None) -> int:
+    """Values per row at a hook of this kind: d_model, heads x d_head inside attention, the
+    experts (router_logits) or the experts per token (expert_ids) at a router."""
+    if kind in ROUTER_KINDS:
+        if moe is None:
+            raise ValueError("hook_width: the router hooks need the model's MoeInfo")
+        return moe.n_experts if kind == "router_logits" else moe.top_k
     if kind not in HEAD_KINDS:
         return d_model
     if not head_shapes:

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from replicas.api import arrays
-from replicas.api import CaptureSpec, GenerateRequest, Positions
+from replicas.api import CaptureSpec, GenerateRequest, MoeInfo, Positions
 from replicas.api.errors import PlanError
 from replicas.plans.heads import HeadShapes, captured_sites, head_edit, hook_width, key_positions
-from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, HookPoint, resolve_hook
+from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS, HookPoint, resolve_hook
 
 PLAN_KEY = "capserve"
 WirePlan = dict[str, Any]
@@ -167,10 +167,12 @@ def build_wire_plan(
     max_set_edits: int | None = None,
     head_shapes: HeadShapes | None = None,
     saes: Any = None,
+    moe: MoeInfo | None = None,
 ) -> WirePlan | None:
     """Validate everything that depends on the model and the prompt; None when nothing is asked.
     `d_vocab` is needed for requests that ask for logits; `max_set_edits` None: no limit;
-    `head_shapes` for the attention hooks; `saes` (a `replicas.sae.specs.SaeCatalog`) for SAE features."""
+    `head_shapes` for the attention hooks; `saes` (a `replicas.sae.specs.SaeCatalog`) for SAE
+    features; `moe` for the router hooks of a mixture-of-experts model."""
     capture, logits = request.capture, request.logits
     if capture is None and logits is None and not request.interventions and not request.sae:
         return None
@@ -179,14 +181,18 @@ def build_wire_plan(
     parts: list[tuple[str, str, int, str]] = []  # (field, how, bytes, fix) of what the worker holds
     if capture is not None:
         points = [
-            _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent) for i, name in enumerate(capture.hooks)
+            _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent, moe=moe)
+            for i, name in enumerate(capture.hooks)
         ]
+        if capture.reduce == "mean" and any(p.kind == "expert_ids" for p in points):
+            raise PlanError("capture.reduce: 'mean' does not apply to expert ids; use reduce='none' (or take the mean "
+                            "of hook_router_logits)")
         check_positions("capture.positions", capture.positions, prompt_len, request.max_tokens)
         sites = captured_sites(points, capture.hooks)
         positions = capture.positions
         if any(p.kind in PATTERN_KINDS for p in points):
             positions = key_positions(capture, prompt_len)
-        width = max(hook_width(kind, d_model, head_shapes) for _, kind, _ in sites)
+        width = max(hook_width(kind, d_model, head_shapes, moe) for _, kind, _ in sites)
         # the worker keeps every row, in float32, when the replica takes the mean
         replica_mean = reduced_on_replica(capture, prompt_len)
         worker_reduces = capture.reduce == "mean" and not replica_mean
@@ -220,7 +226,8 @@ def build_wire_plan(
             raise PlanError("sae: this replica loaded no SAEs (engine option saes)")
         plan["sae"] = saes.wire(request, prompt_len, d_model, parts)
     check_bytes(parts, request.n, max_capture_bytes)
-    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent, head_shapes)
+    plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent,
+                                head_shapes, moe)
     if max_set_edits is not None:
         _check_set_edits(request, max_set_edits)
     return plan
@@ -258,7 +265,7 @@ def _check_set_edits(request: GenerateRequest, max_set_edits: int) -> None:
 
 def _armed_point(
     field_name: str, name: str, n_layers: int, armed_kinds: set[str], option: str = "armed_kinds",
-    absent: Mapping[str, str] | None = None,
+    absent: Mapping[str, str] | None = None, moe: MoeInfo | None = None,
 ) -> HookPoint:
     try:
         point = resolve_hook(name, n_layers)
@@ -271,6 +278,9 @@ def _armed_point(
             f"{field_name}: hook {name!r} is of kind {point.kind!r}, which this deployment has not "
             f"armed; armed kinds: {sorted(armed_kinds)} (engine option {option})"
         )
+    if point.kind in ROUTER_KINDS and moe is not None and point.layer not in moe.layers:
+        raise PlanError(f"{field_name}: layer {point.layer} of this model is dense (no router); the layers with a "
+                        f"router are {moe.layers}")
     return point
 
 
@@ -284,12 +294,13 @@ def _wire_edits(
     edit_stages: int,
     absent: Mapping[str, str],
     head_shapes: HeadShapes | None = None,
+    moe: MoeInfo | None = None,
 ) -> list[dict[str, Any]]:
     edits: list[dict[str, Any]] = []
     stages: dict[HookPoint, int] = {}
     for i, edit in enumerate(request.interventions):
         where = f"interventions[{i}]"
-        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent)
+        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent, moe)
         if steer_layers is not None and point.layer not in steer_layers:
             raise PlanError(
                 f"{where}.hook: layer {point.layer} of {edit.hook!r} does not accept interventions in this "
@@ -300,10 +311,12 @@ def _wire_edits(
             vector, values, columns, factor = head_edit(where, edit, point.kind, head_shapes)
         else:
             vector, values, columns, factor = edit.vector, edit.values, None, edit.factor
+            width = hook_width(point.kind, d_model, head_shapes, moe)
+            what = "the router's n_experts" if point.kind in ROUTER_KINDS else "d_model"
             for name in ("vector", "values"):
                 array = getattr(edit, name)
-                if array is not None and array.shape[-1] != d_model:
-                    raise PlanError(f"{where}.{name}: width {array.shape[-1]} does not match d_model={d_model}")
+                if array is not None and array.shape[-1] != width:
+                    raise PlanError(f"{where}.{name}: width {array.shape[-1]} does not match {what}={width}")
         if values is not None and values.ndim == 2 and values.shape[0] != 1:
             needed = count_positions(edit.positions, prompt_len, request.max_tokens)
             if edit.positions in ("all", "generated"):

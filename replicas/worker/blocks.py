@@ -12,6 +12,10 @@ the MLP, so one set of hooks serves every shape:
 - attn_out, mlp_out: those modules' outputs;
 - resid_mid = resid_pre + attn_out (sequential shapes only; a parallel block has none);
 - resid_post: the layer's output (mlp_out + residual where fused).
+A mixture-of-experts layer's router has two sites: router_logits on its gate's output (an edit there
+changes the routing that follows), and expert_ids, which vLLM's router reports as it routes
+(`_vllm.report_routing`); the ids are staged in the model's dtype, exact up to 256 experts in
+bfloat16 (2048 in float16), and come back to the caller as ints.
 Per-head sites (q, k, v, z; armed only when asked) wrap each layer's vLLM attention op
 (`_vllm.wrap_attention`): q, k, v on the way in, z on the way out, as [tokens, heads x d_head];
 the op writes z straight into its site's staging buffer (`_vllm.attend_into`).
@@ -31,7 +35,7 @@ import torch
 from torch import nn
 
 from replicas import _vllm
-from replicas.api.hooks import HEAD_KINDS, LAYER_KINDS, HookPoint, captured_kinds
+from replicas.api.hooks import HEAD_KINDS, LAYER_KINDS, ROUTER_KINDS, HookPoint, captured_kinds
 from replicas.worker.sites import Site
 
 Sites = dict[tuple[int | None, str], Site]
@@ -80,8 +84,11 @@ def _build_sites(
         return kind in options.steer_kinds and (options.steer_layers is None or layer in options.steer_layers)
 
     kinds = captured_kinds(options.armed_kinds)
-    points = [HookPoint(layer, kind) for layer in range(len(layout.layers)) for kind in kinds]  # type: ignore[arg-type]
+    points = [HookPoint(layer, kind) for layer in range(len(layout.layers)) for kind in kinds  # type: ignore[arg-type]
+              if kind not in ROUTER_KINDS or layout.routers[layer] is not None]
     widths = {point: site_width(layout, point) for point in points}
+    if "expert_ids" in kinds:
+        _check_exact_ids(layout, dtype)
     # one `set` values buffer shared by every site (replicas.worker.sites), if any site takes edits
     steered_widths = [widths[p] for p in points if steered(p.layer, p.kind)]  # type: ignore[arg-type]
     steers = options.edit_stages > 0 and bool(steered_widths)
@@ -100,7 +107,11 @@ def _build_sites(
 
 
 def site_width(layout: _vllm.ModelLayout, point: HookPoint) -> int:
-    """d_model, or heads x d_head for the per-head kinds (k and v have the model's KV heads)."""
+    """d_model, heads x d_head for the per-head kinds (k and v have the model's KV heads), and the
+    experts (router_logits) or experts per token (expert_ids) of a router."""
+    router = layout.routers[point.layer] if point.kind in ROUTER_KINDS else None  # type: ignore[index]
+    if router is not None:
+        return router.n_experts if point.kind == "router_logits" else router.top_k
     if point.kind not in HEAD_KINDS:
         return layout.d_model
     geometry = _vllm.attention_geometry(layout.attention[point.layer])  # type: ignore[index]
@@ -108,11 +119,28 @@ def site_width(layout: _vllm.ModelLayout, point: HookPoint) -> int:
     return heads * (geometry.d_head_v if point.kind in ("v", "z") else geometry.d_head)
 
 
+_EXACT_IDS = {torch.bfloat16: 256, torch.float16: 2048}  # largest integer each holds exactly
+
+
+def _check_exact_ids(layout: _vllm.ModelLayout, dtype: torch.dtype) -> None:
+    n_experts = max((r.n_experts for r in layout.routers if r is not None), default=0)
+    exact = _EXACT_IDS.get(dtype)
+    if exact is not None and n_experts > exact:
+        raise ValueError(f"armed_kinds: expert_ids are staged in the model's dtype, and {dtype} holds integers exactly "
+                         f"only up to {exact}; this model has {n_experts} experts. Arm router_logits alone, or run in float32")
+
+
 def _install_hooks(layout: _vllm.ModelLayout, armed_kinds: list[str], sites: Sites) -> None:
     kinds = captured_kinds(armed_kinds)
     for i, layer in enumerate(layout.layers):
         for kind in kinds:
-            layer.add_module(f"capserve_{kind}", sites[(i, kind)])
+            if (i, kind) in sites:
+                layer.add_module(f"capserve_{kind}", sites[(i, kind)])
+        router = layout.routers[i]
+        if router is not None and (i, "router_logits") in sites:
+            router.gate.register_forward_hook(_sublayer_hook(sites[(i, "router_logits")]))
+        if router is not None and (i, "expert_ids") in sites:
+            _vllm.report_routing(router, _ids_hook(sites[(i, "expert_ids")]))
         if any(kind in HEAD_KINDS for kind in kinds):
             z = sites.get((i, "z"))
             _vllm.wrap_attention(layout.attention[i], _qkv_hook(sites, i), _head_hook(z))
@@ -146,6 +174,13 @@ def _qkv_hook(sites: Sites, i: int) -> Callable[..., tuple]:
         return _run_heads(q, query), _run_heads(k, key), _run_heads(v, value)
 
     return hook
+
+
+def _ids_hook(site: Site) -> Callable[[torch.Tensor], None]:
+    def report(topk_ids: torch.Tensor) -> None:
+        site(topk_ids.to(site.staging.dtype))
+
+    return report
 
 
 def _head_hook(site: Site | None) -> Callable[[torch.Tensor], torch.Tensor]:

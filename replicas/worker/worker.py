@@ -51,7 +51,7 @@ class _CaptureState:
 
     def __init__(self, runner: Any, options: dict[str, Any]):
         self.runner = runner
-        self.layout = _vllm.model_layout(runner, options["block_shape"])
+        self.layout = _vllm.model_layout(runner, options["block_shape"], options.get("moe"))
         self.device = _vllm.runner_device(runner)
         self.eager = bool(options.get("eager", False))
         site_options = SiteOptions.from_options(options)
