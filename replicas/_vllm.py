@@ -98,6 +98,7 @@ class ModelLayout:
     layers: list[nn.Module]
     attn_out: list[nn.Module]  # per layer, the module whose output attention adds to the stream
     mlp_out: list[nn.Module]  # the same for the MLP
+    unnormed: dict[str, list[nn.Module]]  # sandwich blocks: the attention and MLP modules the post-norms read
     final_norm: nn.Module
     attention: list[nn.Module]  # per layer, vLLM's attention op (reads q, k, v; returns z)
     routers: list[Router | None]  # per layer of a mixture-of-experts model, its router; None: dense
@@ -150,9 +151,14 @@ def model_layout(runner: Any, shape: str, moe: dict[str, Any] | None = None) -> 
         )
     if shape == "parallel" and not all(getattr(layer, "use_parallel_residual", True) for layer in layers):
         raise VllmInternalsError("model_layout", "a layer declared parallel-residual has use_parallel_residual=False")
+    unnormed: dict[str, list[nn.Module]] = {}
     if shape == "sandwich":
         attn_out = [layer.post_attention_layernorm for layer in layers]
         mlp_out = [layer.post_feedforward_layernorm for layer in layers]
+        unnormed = {
+            "attn_unnormed": [_child(layer, _ATTENTION, "model_layout", "the attention module") for layer in layers],
+            "mlp_unnormed": [_child(layer, _MLP, "model_layout", "the MLP") for layer in layers],
+        }
     else:
         attn_out = [_child(layer, _ATTENTION, "model_layout", "the attention module") for layer in layers]
         mlp_out = [_child(layer, _MLP, "model_layout", "the MLP") for layer in layers]
@@ -162,6 +168,7 @@ def model_layout(runner: Any, shape: str, moe: dict[str, Any] | None = None) -> 
         layers=layers,
         attn_out=attn_out,
         mlp_out=mlp_out,
+        unnormed=unnormed,
         final_norm=final_norm,
         attention=[_attention_op(layer) for layer in layers],
         routers=_routers(layers, moe),

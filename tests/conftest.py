@@ -107,15 +107,18 @@ def engine_config(path: str, **overrides: Any) -> Any:
 
 
 def armed_with_attention(path: str) -> list[str]:
-    """Every kind the model's blocks have (a router's too), and the attention kinds (armed only when asked)."""
+    """Every kind the model's blocks have (a router's too; a sandwich block's unnormed sublayer
+    outputs), and the attention kinds (armed only when asked)."""
     from transformers import AutoConfig
 
-    from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS
+    from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, UNNORMED_KINDS
     from replicas.engine.architectures import block_shape, layer_kinds, moe_shape
 
     config = AutoConfig.from_pretrained(path)
     architecture = config.architectures[0]
-    return [*layer_kinds(block_shape(architecture, config), moe_shape(architecture, config)), *HEAD_KINDS, *PATTERN_KINDS]
+    shape = block_shape(architecture, config)
+    unnormed = list(UNNORMED_KINDS) if shape == "sandwich" else []
+    return [*layer_kinds(shape, moe_shape(architecture, config)), *unnormed, *HEAD_KINDS, *PATTERN_KINDS]
 
 
 async def start_engine(path: str, name: str, quick_compile: bool = False, **overrides: Any) -> Any:

@@ -15,6 +15,8 @@ as TransformerLens defines them (module tables in tests/hf_shapes.py):
   resid_post[i] = block output = resid_mid[i] + mlp_out[i]
                   (parallel: resid_pre[i] + attn_out[i] + mlp_out[i])
   ln_final      = final norm output *including* its weight (HF's last hidden state)
+  attn_unnormed[i], mlp_unnormed[i] = (sandwich blocks) the attention and MLP modules' own
+                  outputs, which the post-norms read (TransformerBridge's attn.hook_out, mlp.hook_out)
   router_logits[i] = a sparse (mixture-of-experts) layer's router logits, before the softmax
   expert_ids[i]    = the experts its router chose; an edit of the logits re-routes
                      (tests/hf_shapes.route)
@@ -44,7 +46,7 @@ import torch
 if __name__ == "__main__":  # run as a script: make `tests` and `replicas` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.hf_shapes import LAYER_KINDS, PARALLEL, ROUTER_KINDS, SANDWICH, layout, route, router_of  # noqa: E402
+from tests.hf_shapes import LAYER_KINDS, PARALLEL, ROUTER_KINDS, SANDWICH, UNNORMED_KINDS, layout, route, router_of  # noqa: E402
 
 __all__ = ["LAYER_KINDS", "hf_activations", "hf_greedy", "hf_logits", "layer_kinds", "load_model"]
 
@@ -99,6 +101,7 @@ class _Run:
         self.blocks, self.kinds = lay.blocks, lay.block.kinds
         self.config = model.config
         self.routers = [router_of(block) for block in lay.blocks]
+        self.unnormed = lay.block.shape == SANDWICH
         self.capture = capture
         self.values: dict[Key, torch.Tensor] = {}
         self.site_edits: dict[Key, list[EditFn]] = {}
@@ -123,6 +126,9 @@ class _Run:
                 getattr(block, lay.block.mlp_out).register_forward_hook(at(self._mlp, i)),
                 block.register_forward_hook(at(self._post, i)),
             ]
+        for i, block in enumerate(self.blocks if self.unnormed else ()):
+            for kind, module in zip(UNNORMED_KINDS, (block.self_attn, block.mlp)):
+                self.handles.append(module.register_forward_hook(functools.partial(self._unnormed, i, kind)))
         for i, router in enumerate(self.routers):
             if router is not None:
                 self.handles.append(router.register_forward_hook(functools.partial(self._router, i)))
@@ -133,6 +139,8 @@ class _Run:
             return
         n = len(self.blocks)
         if kind in ROUTER_KINDS and isinstance(layer, int) and 0 <= layer < n and self.routers[layer] is not None:
+            return
+        if kind in UNNORMED_KINDS and self.unnormed and isinstance(layer, int) and 0 <= layer < n:
             return
         if kind not in self.kinds or not isinstance(layer, int) or not 0 <= layer < n:
             raise ValueError(
@@ -175,6 +183,9 @@ class _Run:
 
     def _post(self, i: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         return _replace_first(output, self._apply(i, "resid_post", _first(output)))
+
+    def _unnormed(self, i: int, kind: str, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        return _replace_first(output, self._apply(i, kind, _first(output)))
 
     def _router(self, i: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         logits, weights, ids = output
@@ -298,7 +309,7 @@ def _self_check(path: str) -> None:
     hidden = [h[0].numpy() for h in ref.hidden_states]
     acts = hf_activations(path, ids)
     ln_final = acts[(None, "ln_final")]
-    assert {k for (i, k) in acts if i is not None and k not in ROUTER_KINDS} == set(kinds), sorted(acts)
+    assert {k for (i, k) in acts if i is not None and k not in ROUTER_KINDS + UNNORMED_KINDS} == set(kinds), sorted(acts)
     assert layer_kinds(path) == kinds
 
     _close(hf_logits(path, ids), logits, "logits vs model(...).logits", 0)
@@ -331,6 +342,8 @@ def _self_check(path: str) -> None:
     if shape == SANDWICH:  # and attn_out is the normed attention output, not the raw one
         raw = _inputs_of([b.post_attention_layernorm for b in blocks], path, ids)
         assert all(np.abs(r - acts[(i, "attn_out")]).max() > 1e-3 for i, r in enumerate(raw))
+        for i, r in enumerate(raw):
+            _close(acts[(i, "attn_unnormed")], r, f"attn_unnormed[{i}] vs the post-norm's input", 0)
 
     # Identity edits change nothing; equivalent edits at equivalent sites agree.
     same = lambda x: x  # noqa: E731

@@ -72,6 +72,7 @@ _DECODER_SHAPES = {
     "gpt_oss": _PRE_NORM,
 }
 ROUTER_KINDS = ("router_logits", "expert_ids")
+UNNORMED_KINDS = ("attn_unnormed", "mlp_unnormed")  # sandwich blocks: the modules the post-norms read
 
 
 def router_of(block: torch.nn.Module) -> torch.nn.Module | None:

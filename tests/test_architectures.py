@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replicas.engine.architectures import layer_kinds
-from replicas.api.hooks import FINAL_NORM_HOOK, HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS
+from replicas.api.hooks import FINAL_NORM_HOOK, HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS, UNNORMED_KINDS
 from replicas.tiny import ARCHS as ALL_ARCHS
 from replicas.tiny import make_tiny_model
 from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, armed_with_attention, assert_close, start_engine
@@ -52,8 +52,8 @@ def arch(request: pytest.FixtureRequest, loop, tiny_models, model_root) -> tuple
 def test_every_hook_and_the_logits_match_hf_on_prompt_and_generated_rows(loop, arch):
     name, engine, path, kinds = arch
     info = loop.run(engine.info())
-    routers = set(ROUTER_KINDS) if info.moe is not None else set()
-    assert set(info.armed_kinds) == set(kinds) | set(HEAD_KINDS) | set(PATTERN_KINDS) | routers
+    extra = (set(ROUTER_KINDS) if info.moe is not None else set()) | (set(UNNORMED_KINDS) if engine.shape == "sandwich" else set())
+    assert set(info.armed_kinds) == set(kinds) | set(HEAD_KINDS) | set(PATTERN_KINDS) | extra
     hooks = [f"blocks.{i}.hook_{kind}" for i in range(info.n_layers) for kind in kinds] + [FINAL_NORM_HOOK]
     prompt = prompt_ids(PROMPT_LEN, seed=3)
     result = loop.run(engine.generate({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -231,6 +231,45 @@ def softmax(scores: np.ndarray, sinks: list[float] | None = None) -> np.ndarray:
 
 def sinks_of(info, layer: int) -> list[float] | None:
     return None if info.attention.sinks is None else info.attention.sinks[layer]
+
+
+SANDWICH_ARCHS = ("gemma2", "gemma3", "olmo2")
+
+
+@pytest.mark.parametrize("arch", ["llama", *SANDWICH_ARCHS], indirect=True)
+def test_bridge_sublayer_outputs_are_the_modules_own_and_hook_attn_out_what_the_block_adds(loop, arch):
+    """TransformerLens 4.3 (bridge included) puts hook_attn_out / hook_mlp_out after a sandwich
+    block's post-norm (its BlockBridge re-points them at ln1_post / ln2_post), while the bridge's
+    attn.hook_out / mlp.hook_out are the modules' own outputs, before it. Both equal HF's; an edit
+    of the unnormed output passes through the post-norm as in HF. In a pre-norm block the two
+    names are one value."""
+    name, engine, path, _ = arch
+    layers = range(4)
+    hooks = [f"blocks.{i}.{where}" for i in layers for where in ("attn.hook_out", "mlp.hook_out", "hook_attn_out",
+                                                                  "ln1_post.hook_out", "ln2_post.hook_in")]
+    prompt = prompt_ids(PROMPT_LEN, seed=8)
+    vector = direction(5)
+    edit = {"hook": "blocks.1.attn.hook_out", "op": "add", "vector": vector, "scale": 3.0}
+    base = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+    plain, edited = loop.run(together(engine.generate(base | {"capture": {"hooks": hooks}}),
+                                      engine.generate(base | {"interventions": [edit]})))
+    fed = prompt + plain.token_ids[:-1]
+    reference = hf_activations(path, fed)
+    sandwich = name in SANDWICH_ARCHS
+    for i in layers:
+        got = plain.activations
+        np.testing.assert_array_equal(got[f"blocks.{i}.ln1_post.hook_out"], got[f"blocks.{i}.hook_attn_out"])
+        for kind, hook in (("attn_unnormed", "attn.hook_out"), ("mlp_unnormed", "mlp.hook_out")):
+            expected = reference[(i, kind if sandwich else UNNORMED_KINDS[kind])]
+            assert_close(got[f"blocks.{i}.{hook}"], expected, atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL, err_msg=f"{name} {i} {hook}")
+        assert_close(got[f"blocks.{i}.ln2_post.hook_in"], got[f"blocks.{i}.mlp.hook_out"], atol=0, rtol=0)
+        differs = np.abs(got[f"blocks.{i}.attn.hook_out"] - got[f"blocks.{i}.hook_attn_out"]).max() > 1e-3
+        assert differs == sandwich, (name, i)
+    shift = torch.from_numpy(vector) * 3.0
+    reference_edits = [(1, "attn_unnormed" if sandwich else "attn_out", lambda x: x + shift)]
+    assert edited.token_ids == hf_greedy(path, prompt, 3, edits=reference_edits), name
+    assert_close(edited.logits, hf_logits(path, prompt + edited.token_ids[:-1], edits=reference_edits), atol=LOGIT_TOL,
+                 rtol=0, err_msg=name)
 
 
 MOE_ARCHS = [name for name in ALL_ARCHS if name in ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")]

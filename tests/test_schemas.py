@@ -33,8 +33,10 @@ from replicas.plans.request import (
         ("blocks.3.hook_in", HookPoint(3, "resid_pre")),
         ("blocks.0.ln2.hook_in", HookPoint(0, "resid_mid")),
         ("blocks.12.hook_out", HookPoint(12, "resid_post")),
-        ("blocks.1.attn.hook_out", HookPoint(1, "attn_out")),
-        ("blocks.1.mlp.hook_out", HookPoint(1, "mlp_out")),
+        ("blocks.1.attn.hook_out", HookPoint(1, "attn_unnormed")),
+        ("blocks.1.mlp.hook_out", HookPoint(1, "mlp_unnormed")),
+        ("blocks.1.ln1_post.hook_out", HookPoint(1, "attn_out")),
+        ("blocks.1.ln2_post.hook_in", HookPoint(1, "mlp_unnormed")),
         ("7:mlp_out", HookPoint(7, "mlp_out")),
         ("ln_final.hook_normalized", HookPoint(None, "ln_final")),
     ],
@@ -316,3 +318,19 @@ def test_a_request_carries_at_most_max_set_edits_set_interventions():
     assert len(plan({"interventions": [patch(0), patch(1)]}, max_set_edits=2, **steer)["edits"]) == 2
     with pytest.raises(PlanError, match=r"interventions\[2\]: 3 `set` interventions .* at most 2 \(engine option max_set_edits\)"):
         plan({"interventions": [patch(0), patch(1), patch(2)]}, max_set_edits=2, **steer)
+
+
+def test_transformerlens_puts_hook_attn_out_after_the_post_norm_and_attn_hook_out_before_it():
+    """The definitions the hook names follow, read off TransformerLens 4.3 itself: a block with
+    post-norms re-points hook_attn_out / hook_mlp_out at ln1_post / ln2_post's output, while
+    attn.hook_out stays the attention module's own output (capserve's attn_unnormed)."""
+    pytest.importorskip("transformer_lens", reason="the tl extra (transformer-lens 4.3) is not installed")
+    from transformer_lens.model_bridge.generalized_components.block import BlockBridge
+    from transformer_lens.model_bridge.generalized_components.normalization import NormalizationBridge
+
+    post = {key: NormalizationBridge(name=key, config=None) for key in ("ln1", "ln1_post", "ln2", "ln2_post")}
+    aliases = BlockBridge(name="layer", submodules=post).hook_aliases
+    assert aliases["hook_attn_out"] == "ln1_post.hook_out" and aliases["hook_mlp_out"] == "ln2_post.hook_out"
+    assert BlockBridge.hook_aliases["hook_attn_out"] == "attn.hook_out"
+    assert resolve_hook("blocks.0.hook_attn_out") == resolve_hook("blocks.0.ln1_post.hook_out") == HookPoint(0, "attn_out")
+    assert resolve_hook("blocks.0.attn.hook_out") == resolve_hook("blocks.0.ln1_post.hook_in") == HookPoint(0, "attn_unnormed")

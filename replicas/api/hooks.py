@@ -13,11 +13,11 @@ from typing import Iterable, Literal, NamedTuple, get_args
 
 LayerKind = Literal[
     "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores",
-    "router_logits", "expert_ids",
+    "router_logits", "expert_ids", "attn_unnormed", "mlp_unnormed",
 ]
 HookKind = Literal[
     "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern", "attn_scores",
-    "router_logits", "expert_ids", "ln_final",
+    "router_logits", "expert_ids", "attn_unnormed", "mlp_unnormed", "ln_final",
 ]
 ALL_LAYER_KINDS: tuple[LayerKind, ...] = get_args(LayerKind)
 # The residual-stream kinds, armed by default; the attention kinds are armed by config.
@@ -30,6 +30,11 @@ PATTERN_KINDS: tuple[LayerKind, ...] = ("pattern", "attn_scores")
 # A mixture-of-experts layer's router: its logits before the softmax [pos, n_experts], and the
 # experts it chose [pos, top_k] (ints, in the router's order), as vLLM's router computed them.
 ROUTER_KINDS: tuple[LayerKind, ...] = ("router_logits", "expert_ids")
+# The attention and MLP modules' own outputs, TransformerBridge's `attn.hook_out` / `mlp.hook_out`.
+# In a post-norm ("sandwich") block they are what the post-norms normalize; hook_attn_out and
+# hook_mlp_out (TransformerLens, bridge included) are the normed values the block adds. In every
+# other block shape the two are the same value, served by the attn_out / mlp_out sites.
+UNNORMED_KINDS: dict[LayerKind, LayerKind] = {"attn_unnormed": "attn_out", "mlp_unnormed": "mlp_out"}
 FINAL_NORM_HOOK = "ln_final.hook_normalized"
 
 _CANONICAL_SUFFIX = {
@@ -55,8 +60,12 @@ _BRIDGE_SUFFIX = {
     "hook_in": "resid_pre",
     "ln2.hook_in": "resid_mid",
     "hook_out": "resid_post",
-    "attn.hook_out": "attn_out",
-    "mlp.hook_out": "mlp_out",
+    "attn.hook_out": "attn_unnormed",
+    "mlp.hook_out": "mlp_unnormed",
+    "ln1_post.hook_in": "attn_unnormed",
+    "ln2_post.hook_in": "mlp_unnormed",
+    "ln1_post.hook_out": "attn_out",
+    "ln2_post.hook_out": "mlp_out",
 }
 _BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _WIRE_KEY = re.compile(r"^(\d+):([a-z_]+)$")
@@ -76,6 +85,8 @@ class HookPoint(NamedTuple):
             return f"blocks.{self.layer}.attn.hook_{self.kind}"
         if self.kind in ROUTER_KINDS:
             return f"blocks.{self.layer}.mlp.hook_{self.kind}"
+        if self.kind in UNNORMED_KINDS:
+            return f"blocks.{self.layer}.{self.kind.removesuffix('_unnormed')}.hook_out"
         return f"blocks.{self.layer}.hook_{self.kind}"
 
     @property
@@ -99,7 +110,8 @@ def resolve_hook(name: str, n_layers: int | None = None) -> HookPoint:
             f"{', '.join(LAYER_KINDS)} or blocks.<i>.attn.hook_<kind> with kind in "
             f"{', '.join(HEAD_KINDS + PATTERN_KINDS)} (TransformerLens names), blocks.<i>.mlp.hook_<kind> with kind in "
             f"{', '.join(ROUTER_KINDS)} (mixture-of-experts models), the TransformerBridge aliases "
-            f"blocks.<i>.hook_in / ln2.hook_in / hook_out / attn.hook_out / mlp.hook_out / attn.q.hook_out / "
+            f"blocks.<i>.hook_in / ln2.hook_in / hook_out / attn.hook_out / mlp.hook_out / ln1_post.hook_in|out / "
+            f"ln2_post.hook_in|out / attn.q.hook_out / "
             f"attn.k.hook_out / attn.v.hook_out / attn.o.hook_in, '<i>:<kind>' wire keys, or {FINAL_NORM_HOOK!r}"
         )
     if n_layers is not None and point.layer is not None and not 0 <= point.layer < n_layers:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from replicas.api.hooks import LAYER_KINDS, ROUTER_KINDS, LayerKind
+from replicas.api.hooks import LAYER_KINDS, ROUTER_KINDS, UNNORMED_KINDS, LayerKind
 
 BlockShape = Literal["pre_norm", "sandwich", "parallel"]
 
@@ -134,6 +134,12 @@ def layer_kinds(shape: BlockShape, moe: MoeShape | None = None) -> tuple[LayerKi
     mixture-of-experts model's router kinds."""
     kinds = tuple(kind for kind in LAYER_KINDS if kind not in _ABSENT[shape])
     return kinds + (ROUTER_KINDS if moe is not None else ())
+
+
+def same_kinds(shape: BlockShape) -> dict[LayerKind, LayerKind]:
+    """Kinds that are another kind's value in this shape: outside a sandwich block the attention
+    and MLP modules' outputs are what the block adds (attn_out, mlp_out)."""
+    return {} if shape == "sandwich" else dict(UNNORMED_KINDS)
 
 
 def absent_kinds(shape: BlockShape, moe: MoeShape | None = None) -> dict[LayerKind, str]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from replicas.api import arrays
 from replicas.api import GenerateRequest, GenerateResult, ModelInfo, MoeInfo
-from replicas.engine.architectures import BlockShape, MoeShape, absent_kinds, block_shape, moe_shape
+from replicas.engine.architectures import BlockShape, MoeShape, absent_kinds, block_shape, moe_shape, same_kinds
 from replicas.arena.host import (
     ArenaLayout, ArenaReader, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path, delete_files, stored_in,
 )
@@ -384,6 +384,7 @@ class CaptureEngine:
                 head_shapes=head_shapes(self._info.attention),
                 saes=self.saes,
                 moe=self._info.moe,
+                same_kinds=same_kinds(self.shape),
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.api.hooks import LAYER_KINDS, PATTERN_KINDS, LayerKind
-from replicas.engine.architectures import BlockShape, MoeShape, absent_kinds, layer_kinds
+from replicas.engine.architectures import BlockShape, MoeShape, absent_kinds, layer_kinds, same_kinds
 from replicas.sae.specs import SaeConfig, check_saes
 
 LOCKED_SETTINGS: dict[str, Any] = {
@@ -232,7 +232,10 @@ class EngineConfig(BaseModel):
             lacking = [k for k in getattr(self, name) or () if k in absent]
             if lacking:
                 raise ValueError(f"{name}: {lacking[0]!r} does not exist in this model: {absent[lacking[0]]}")
-        update: dict[str, Any] = {"armed_kinds": list(self.armed_kinds or kinds)}
+        same = same_kinds(shape)  # one site serves both names
+        update: dict[str, Any] = {"armed_kinds": list(dict.fromkeys(same.get(k, k) for k in self.armed_kinds or kinds))}
+        if self.steer_kinds is not None:
+            update["steer_kinds"] = list(dict.fromkeys(same.get(k, k) for k in self.steer_kinds))
         if self.dtype == "auto" and checkpoint_dtype is not None:
             update["dtype"] = checkpoint_dtype
         if self.saes and text_config is not None:

@@ -168,20 +168,23 @@ def build_wire_plan(
     head_shapes: HeadShapes | None = None,
     saes: Any = None,
     moe: MoeInfo | None = None,
+    same_kinds: Mapping[str, str] | None = None,
 ) -> WirePlan | None:
     """Validate everything that depends on the model and the prompt; None when nothing is asked.
     `d_vocab` is needed for requests that ask for logits; `max_set_edits` None: no limit;
     `head_shapes` for the attention hooks; `saes` (a `replicas.sae.specs.SaeCatalog`) for SAE
-    features; `moe` for the router hooks of a mixture-of-experts model."""
+    features; `moe` for the router hooks of a mixture-of-experts model; `same_kinds` maps a kind to
+    the kind whose site serves its value in this block shape (replicas.engine.architectures)."""
     capture, logits = request.capture, request.logits
     if capture is None and logits is None and not request.interventions and not request.sae:
         return None
     plan: WirePlan = {"key": key, "prompt_len": prompt_len}
     absent = absent_kinds or {}
+    same = same_kinds or {}
     parts: list[tuple[str, str, int, str]] = []  # (field, how, bytes, fix) of what the worker holds
     if capture is not None:
         points = [
-            _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent, moe=moe)
+            _armed_point(f"capture.hooks[{i}]", name, n_layers, armed_kinds, absent=absent, moe=moe, same=same)
             for i, name in enumerate(capture.hooks)
         ]
         if capture.reduce == "mean" and any(p.kind == "expert_ids" for p in points):
@@ -227,7 +230,7 @@ def build_wire_plan(
         plan["sae"] = saes.wire(request, prompt_len, d_model, parts)
     check_bytes(parts, request.n, max_capture_bytes)
     plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent,
-                                head_shapes, moe)
+                                head_shapes, moe, same)
     if max_set_edits is not None:
         _check_set_edits(request, max_set_edits)
     return plan
@@ -265,12 +268,14 @@ def _check_set_edits(request: GenerateRequest, max_set_edits: int) -> None:
 
 def _armed_point(
     field_name: str, name: str, n_layers: int, armed_kinds: set[str], option: str = "armed_kinds",
-    absent: Mapping[str, str] | None = None, moe: MoeInfo | None = None,
+    absent: Mapping[str, str] | None = None, moe: MoeInfo | None = None, same: Mapping[str, str] | None = None,
 ) -> HookPoint:
     try:
         point = resolve_hook(name, n_layers)
     except ValueError as exc:
         raise PlanError(f"{field_name}: {exc}") from None
+    if same and point.kind in same:
+        point = HookPoint(point.layer, same[point.kind])  # type: ignore[arg-type]
     if absent and point.kind in absent:
         raise PlanError(f"{field_name}: hook {name!r} does not exist in this model: {absent[point.kind]}")
     if point.kind != "ln_final" and point.kind not in armed_kinds:
@@ -295,12 +300,13 @@ def _wire_edits(
     absent: Mapping[str, str],
     head_shapes: HeadShapes | None = None,
     moe: MoeInfo | None = None,
+    same: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     edits: list[dict[str, Any]] = []
     stages: dict[HookPoint, int] = {}
     for i, edit in enumerate(request.interventions):
         where = f"interventions[{i}]"
-        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent, moe)
+        point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent, moe, same)
         if steer_layers is not None and point.layer not in steer_layers:
             raise PlanError(
                 f"{where}.hook: layer {point.layer} of {edit.hook!r} does not accept interventions in this "

@@ -11,7 +11,9 @@ the MLP, so one set of hooks serves every shape:
 - resid_pre: the layer's input (hidden + residual where vLLM fuses the add into the next norm);
 - attn_out, mlp_out: those modules' outputs;
 - resid_mid = resid_pre + attn_out (sequential shapes only; a parallel block has none);
-- resid_post: the layer's output (mlp_out + residual where fused).
+- resid_post: the layer's output (mlp_out + residual where fused);
+- attn_unnormed, mlp_unnormed (sandwich blocks only; elsewhere they are attn_out and mlp_out): the
+  attention and MLP modules' own outputs, before the post-norms.
 A mixture-of-experts layer's router has two sites: router_logits on its gate's output (an edit there
 changes the routing that follows), and expert_ids, which vLLM's router reports as it routes
 (`_vllm.report_routing`); the ids are staged in the model's dtype, exact up to 256 experts in
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from replicas import _vllm
-from replicas.api.hooks import HEAD_KINDS, LAYER_KINDS, ROUTER_KINDS, HookPoint, captured_kinds
+from replicas.api.hooks import HEAD_KINDS, LAYER_KINDS, ROUTER_KINDS, UNNORMED_KINDS, HookPoint, captured_kinds
 from replicas.worker.sites import Site
 
 Sites = dict[tuple[int | None, str], Site]
@@ -85,7 +87,8 @@ def _build_sites(
 
     kinds = captured_kinds(options.armed_kinds)
     points = [HookPoint(layer, kind) for layer in range(len(layout.layers)) for kind in kinds  # type: ignore[arg-type]
-              if kind not in ROUTER_KINDS or layout.routers[layer] is not None]
+              if (kind not in ROUTER_KINDS or layout.routers[layer] is not None)
+              and (kind not in UNNORMED_KINDS or kind in layout.unnormed)]
     widths = {point: site_width(layout, point) for point in points}
     if "expert_ids" in kinds:
         _check_exact_ids(layout, dtype)
@@ -136,6 +139,9 @@ def _install_hooks(layout: _vllm.ModelLayout, armed_kinds: list[str], sites: Sit
         for kind in kinds:
             if (i, kind) in sites:
                 layer.add_module(f"capserve_{kind}", sites[(i, kind)])
+        for kind, modules in layout.unnormed.items():
+            if (i, kind) in sites:
+                modules[i].register_forward_hook(_sublayer_hook(sites[(i, kind)]))
         router = layout.routers[i]
         if router is not None and (i, "router_logits") in sites:
             router.gate.register_forward_hook(_sublayer_hook(sites[(i, "router_logits")]))
