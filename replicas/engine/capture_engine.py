@@ -45,6 +45,7 @@ from replicas.api.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestE
 from replicas.api.hooks import served_hook_names
 from replicas.arena.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
 from replicas.plans.request import PLAN_KEY, build_wire_plan
+from replicas.engine.quantization import check_quantization
 from replicas.engine.results import Finish, add_captured, generation_result
 from replicas.sae.specs import SaeCatalog
 from replicas.engine.tools import ToolCalling, ToolTurn, template_inputs
@@ -102,9 +103,12 @@ class CaptureEngine:
         shape = block_shape(architecture, hf_config)  # refuses an undeclared architecture before vLLM starts
         moe = moe_shape(architecture, hf_config)
         config = config.for_checkpoint(shape, checkpoint_dtype, hf_config, moe)
+        platform = "cpu" if _vllm.is_cpu_platform() else "cuda"
+        quantized = check_quantization(config.quantization, hf_config, platform, config.dtype, moe is not None)
         logger.info(
-            "engine %s: %s (%s blocks), dtype %s%s, vLLM %s", name, architecture, shape, config.dtype,
-            " (the checkpoint's own)" if checkpoint_dtype and config.dtype == checkpoint_dtype else "", version,
+            "engine %s: %s (%s blocks), dtype %s%s%s, vLLM %s", name, architecture, shape, config.dtype,
+            " (the checkpoint's own)" if checkpoint_dtype and config.dtype == checkpoint_dtype else "",
+            f", {quantized} quantization" if quantized else "", version,
         )
         owner = Owner.current()
         parent = _spill_parent()

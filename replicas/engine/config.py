@@ -71,6 +71,11 @@ class EngineConfig(BaseModel):
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size; CPU default 1 GiB.")
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA graphs on GPU.")
     load_format: str = "auto"
+    quantization: str | None = Field(
+        None, description="Have vLLM quantize the float checkpoint as it loads it: fp8 on the GPU, fp8_per_block on "
+        "CPU (dense models). A pre-quantized checkpoint (AWQ, GPTQ) needs none. Methods capserve has not checked "
+        "on the platform are refused at start (replicas/engine/quantization.py).",
+    )
     seed: int = 0
     armed_kinds: list[LayerKind] | None = Field(
         None,
@@ -254,6 +259,9 @@ class EngineConfig(BaseModel):
                     f"engine_kwargs.{key} cannot be set: capserve locks {key}={LOCKED_SETTINGS[key]!r} "
                     f"({LOCKED_REASON})"
                 )
+        if "quantization" in self.engine_kwargs:
+            raise ValueError("engine_kwargs.quantization: set the engine config's own `quantization` field, which is "
+                             "checked against the methods capserve serves")
         from replicas import _vllm
 
         if self.tool_call_parser is not None:
@@ -267,6 +275,7 @@ class EngineConfig(BaseModel):
             "seed": self.seed,
             "enforce_eager": eager,
             "load_format": self.load_format,
+            "quantization": self.quantization,
             **{k: v for k, v in self._optional().items() if v is not None},
             **self.engine_kwargs,
             **LOCKED_SETTINGS,
