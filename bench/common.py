@@ -51,6 +51,7 @@ class Workload:
 WORKLOADS = {
     "512x512+128": Workload("512x512+128", 512, 512, 128),
     "32x512+256": Workload("32x512+256", 32, 512, 256),
+    "128x512+128": Workload("128x512+128", 128, 512, 128),  # a 70B's KV cache on one H200 holds ~150k tokens
     "16x64+16": Workload("16x64+16", 16, 64, 16),  # a CPU smoke run of the scripts (tiny config)
 }
 GPU_WORKLOADS = ["512x512+128", "32x512+256"]

@@ -38,6 +38,12 @@
 #            stream or a side stream; torch alone, like state (1)
 #   ctxcost  bench/gpu/context_cost.py: switch_context_every_s's second context: device memory, creation, a launch's
 #            host time; torch alone, like state (0.2)
+#   q70      bench_quantized: Llama-3.1-70B shape in online fp8, plain vLLM then capserve's defaults (one copy fits
+#            an H200), 32 x (512+256) and 128 x (512+128); Q_ROUNDS (3) (~10)
+#   q8       bench_quantized: Llama-3.1-8B shape in online fp8, plain beside capserve's defaults and steer-layer,
+#            512 x (512+128), side by side; Q_ROUNDS (3) (~9)
+#   moe      the architecture matrix's mixture-of-experts rows (Qwen3-MoE, Mixtral: router hooks under CUDA graphs),
+#            engines without Inductor (~3)
 # Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
 # measured; issue the polls back to back, with nothing between them.
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -89,6 +95,12 @@ for part in "$@"; do
     stall) step stall python3 bench/gpu/register_stall.py --out "$R" > "$R/stall.log" 2>&1 ;;
     staging) step staging python3 bench/gpu/staging_copies.py --out "$R" > "$R/staging.log" 2>&1 ;;
     ctxcost) step ctxcost python3 bench/gpu/context_cost.py --out "$R" > "$R/ctxcost.log" 2>&1 ;;
+    q70) step q70 python3 -m bench.bench_quantized --config llama70b --quantization fp8 --sequential --max-num-seqs 256 \
+           --workloads 32x512+256 128x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q70.log" 2>&1 ;;
+    q8) step q8 python3 -m bench.bench_quantized --config llama8b --quantization fp8 --deployments default steer-layer \
+          --workloads 512x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q8.log" 2>&1 ;;
+    moe) step moe env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_architectures.py -k "qwen3_moe or mixtral" \
+           -q -p no:cacheprovider --junitxml="$R/gpu_suite_moe.xml" > "$R/moe.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
   esac
 done
