@@ -8,7 +8,7 @@ Packages, by the process their code runs in:
 - `plans/`: a request turned into what the worker reads each step (built by the engine).
 - `arena/`: host shared memory between the worker and the replica, and its lifeline.
 - `sae/`, `shards/`: SAE read-outs; capture shards and the replica-side sink.
-- `replica.py` (the Serve deployment), `_vllm.py` (the one module that touches vLLM internals),
+- `replica.py` (the Serve deployment), `_vllm/` (the one package that touches vLLM internals),
   `tiny.py` (tiny random test models).
 
 Public names: `replicas.api` (request/response schemas, `resolve_hook`), `replicas.engine.CaptureEngine`

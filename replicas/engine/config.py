@@ -183,7 +183,7 @@ class EngineConfig(BaseModel):
         "(replicas/worker/diagnostics/step_profile.py) into its folder: where a step's time goes. None: off.",
     )
     allow_unverified_vllm: bool = Field(
-        False, description="Run on a vLLM release capserve's internals were not verified on (replicas/_vllm.py)."
+        False, description="Run on a vLLM release capserve's internals were not verified on (replicas/_vllm/)."
     )
     tool_call_parser: str | None = Field(
         None,
