@@ -371,7 +371,7 @@ class EditPlan:
     op: str
     positions: Positions
     phase: str
-    direction: np.ndarray | None = None  # unit vector for project_out; raw vector for add
+    direction: np.ndarray | None = None  # unit vector for project_out (one per head at a per-head site); raw vector for add
     values: np.ndarray | None = None
     scale: float = 1.0
     norm_match: bool = False
@@ -453,8 +453,8 @@ class RequestPlan:
 
 def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
     vector = None if wire["vector"] is None else arrays.from_raw(wire["vector"]).astype(np.float32)
-    if wire["op"] == "project_out" and vector is not None:
-        vector = arrays.unit(vector)
+    if wire["op"] == "project_out" and vector is not None and wire["kind"] not in HEAD_KINDS:
+        vector = arrays.unit(vector)  # per-head kinds: one unit direction per head already (plans.heads.head_edit)
     return EditPlan(
         site=(wire["layer"], wire["kind"]),
         stage=int(wire["stage"]),
