@@ -87,6 +87,10 @@ class Intervention(BaseModel):
     the chosen heads' columns are used, or one head's width [d_head], used for each chosen head.
     `project_out` there works head by head, as on TransformerLens's [pos, head, d_head] tensor:
     each chosen head's d_head slice loses its component along that head's unit direction.
+
+    A position listed twice in `positions` is edited once, as TransformerLens's act[:, pos] op= v
+    (numpy's assignment): `set` gives it the last row listed for it. Edits at one hook run in list
+    order; edits at disjoint explicit positions take one of the engine's `edit_stages` together.
     """
 
     model_config = _STRICT
