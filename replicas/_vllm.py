@@ -437,6 +437,25 @@ def request_extra_args(runner: Any, req_id: str) -> dict[str, Any]:
     return (params.extra_args or {}) if params is not None else {}
 
 
+# ---------------------------------------------------------------- token text
+
+
+def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's text as vLLM's OpenAI server shows it in logprobs: the `decoded_token` its
+    output processor gives each Logprob (vllm/v1/engine/logprobs.py), i.e. decode() of the one
+    token with the leading spaces of a SentencePiece piece restored ("▁hello" -> " hello";
+    a byte-level "Ġhello" decodes to " hello" as it is). vLLM also re-decodes a byte-fallback
+    piece that ends in U+FFFD with the tokens before it; without that context it stays as decoded."""
+    try:
+        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    except ImportError:
+        try:  # before 0.32
+            from vllm.transformers_utils.detokenizer_utils import convert_ids_list_to_tokens
+        except ImportError as exc:
+            raise VllmInternalsError("token_texts", f"no convert_ids_list_to_tokens ({exc})") from None
+    return list(convert_ids_list_to_tokens(tokenizer, ids))
+
+
 # ---------------------------------------------------------------- tool calling
 # Tools are rendered, constrained and parsed by the code `vllm serve --enable-auto-tool-choice
 # --tool-call-parser NAME` runs: vllm/renderers/chat_utils.py (arguments as dicts for templates),
