@@ -73,8 +73,14 @@ def needed_token_ids(t: Translated, result: GenerateResult) -> list[int]:
 # ---------------------------------------------------------------- logprobs
 
 
-def _top(row: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(row.items(), key=lambda kv: -kv[1])[:k]
+def _vllm_order(row: dict[int, float], token: int) -> list[tuple[int, float]]:
+    """A position's logprobs in the order vLLM keeps them (vllm/logprobs.py
+    append_logprobs_for_next_position): the token at that position (sampled, or the prompt's)
+    first, then the top-k by rank, the token not repeated. vLLM's answers take their top_logprobs
+    from the front of it: chat the first k (the sampled token, and k - 1 more when it is not among
+    the top k), completions k + 1, so every position lists its own token."""
+    rest = sorted(((t, v) for t, v in row.items() if t != token), key=lambda kv: -kv[1])  # stable: ties keep vLLM's rank order
+    return ([(token, row[token])] if token in row else []) + rest
 
 
 def _lp(value: float | None) -> float:
@@ -86,7 +92,8 @@ def chat_logprobs(token_ids: list[int], rows: list[dict[int, float]] | None, k: 
     for i, token in enumerate(token_ids):
         row = rows[i] if rows is not None and i < len(rows) else {}
         word = text.get(token, "")
-        top = [TopLogprob(token=text.get(t, ""), bytes=list(text.get(t, "").encode()), logprob=_lp(v)) for t, v in _top(row, k)]
+        top = [TopLogprob(token=text.get(t, ""), bytes=list(text.get(t, "").encode()), logprob=_lp(v))
+               for t, v in _vllm_order(row, token)[:k]]
         out.append(ChatCompletionTokenLogprob(token=word, bytes=list(word.encode()), logprob=_lp(row.get(token)), top_logprobs=top))
     return out
 
@@ -102,7 +109,7 @@ def completion_logprobs(
         offsets.append(offset)
         offset += len(word)
         values.append(None if row is None else _lp(row.get(token)))
-        tops.append(None if row is None else {text.get(t, ""): _lp(v) for t, v in _top(row, k)})
+        tops.append(None if row is None else {text.get(t, ""): _lp(v) for t, v in _vllm_order(row, token)[: k + 1]})
     # construct: an echoed prompt's first token has no logprob (null), which the type does not allow for
     return CompletionLogprobs.model_construct(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 

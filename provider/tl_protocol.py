@@ -30,8 +30,10 @@ Answer, `ModelOutput.metadata`:
 
 The completion is the one greedy next token. The edit ops map onto capserve's: suppress is
 `scale` by 0, scale is `scale`, add is `add` (a per-position value becomes one `add` per distinct
-row, which counts against the deployment's `edit_stages` edits per hook), set is `set` (a scalar
-or a row is broadcast). Bad input fails the call with an
+row, at disjoint positions, so all of them take one of the deployment's `edit_stages` edits per
+hook), set is `set` (a scalar or a row is broadcast; on v and z over the flat heads x d_head row).
+A position listed twice in `pos` is edited once, as TransformerLens's indexing does (a
+per-position value: its last row for it). Bad input fails the call with an
 `InvalidRequestError` naming the `extra_args` field and what is allowed; nothing reaches the replica.
 """
 
@@ -139,7 +141,7 @@ class TLCall:
             request["capture"] = {"hooks": list(self.capture), "positions": "prompt"}
         if self.return_logits:
             request["logits"] = {"positions": "prompt"}
-        interventions = [i for edit in self.edits for i in _interventions(edit, info.d_model)]
+        interventions = [i for edit in self.edits for i in _interventions(edit, info)]
         if interventions:
             request["interventions"] = interventions
         return request
@@ -243,9 +245,7 @@ def _positions(pos: Any, where: str, ids: list[int] | None) -> list[int] | None:
         if bad:
             raise InvalidRequestError(f"{where}.pos: position(s) {bad} outside the {n} input tokens (allowed {-n}..{n - 1})")
         positions = [p % n for p in positions]
-    if len(set(positions)) != len(positions):
-        raise InvalidRequestError(f"{where}.pos: {pos!r} names a position twice")
-    return positions
+    return positions  # a position listed twice is edited once (capserve's positions), as TransformerLens's indexing does
 
 
 def _value(value: Any, where: str) -> np.ndarray:
@@ -300,7 +300,18 @@ def _edits(value: Any, ids: list[int] | None) -> list[Edit]:
     return edits
 
 
-def _interventions(edit: Edit, d_model: int) -> list[dict[str, Any]]:
+def _row_width(kind: str, info: Any) -> int:
+    """Values per row at a protocol kind on the model `info` (a ModelInfo) describes: d_model, or
+    the flat heads x d_head of v (the KV heads) and z."""
+    if kind in RESIDUAL_KINDS:
+        return info.d_model
+    attention = info.attention
+    if attention is None:
+        raise InvalidRequestError(f"{KEY}.interventions: this replica reported no attention heads, so {kind!r} has no known width")
+    return (attention.n_kv_heads if kind == "v" else attention.n_heads) * attention.d_head_v
+
+
+def _interventions(edit: Edit, info: Any) -> list[dict[str, Any]]:
     """capserve Intervention dicts for one protocol edit (arrays in the base64 array format)."""
     positions: Any = edit.positions if edit.positions is not None else "prompt"
     base = {"hook": edit.key, "positions": positions}
@@ -310,23 +321,23 @@ def _interventions(edit: Edit, d_model: int) -> list[dict[str, Any]]:
         return [{**base, "op": "scale", "factor": edit.factor}]
     value = edit.value
     assert value is not None
-    if value.ndim == 0:
-        if _split(edit.key)[1] not in RESIDUAL_KINDS:
-            raise InvalidRequestError(
-                f"{KEY}.interventions[{edit.key!r}].value: give a row ([n_heads * d_head]) on attention kinds, not a number"
-            )
-        value = np.full(d_model, float(value), np.float32)
+    kind = _split(edit.key)[1]
+    if value.ndim == 0:  # a number on every value of the row, the flat heads x d_head one on v and z too
+        value = np.full(_row_width(kind, info), float(value), np.float32)
     width = value.shape[-1]
-    if _split(edit.key)[1] in RESIDUAL_KINDS and width != d_model:
-        raise InvalidRequestError(f"{KEY}.interventions[{edit.key!r}].value: width {width}, the model's d_model is {d_model}")
+    if kind in RESIDUAL_KINDS and width != info.d_model:
+        raise InvalidRequestError(f"{KEY}.interventions[{edit.key!r}].value: width {width}, the model's d_model is {info.d_model}")
     encode = lambda a: dict(arrays.to_base64(np.ascontiguousarray(a, dtype=np.float32)))
     if edit.op == "set":
         return [{**base, "op": "set", "values": encode(value)}]
     if value.ndim == 1:
         return [{**base, "op": "add", "vector": encode(value)}]
     # capserve's add takes one vector: one edit per distinct row, each at the positions that share it
-    # (a deployment applies at most `edit_stages` edits per hook; the replica says so when exceeded)
+    # (disjoint positions, so they take one of the deployment's `edit_stages`; each a row of its
+    # `edit_slots`). A position listed twice takes its last row, as TransformerLens's
+    # act[:, pos] = act[:, pos] + value assigns.
+    last_rows = dict(zip(edit.positions if edit.positions is not None else range(len(value)), value))
     groups: dict[bytes, tuple[np.ndarray, list[int]]] = {}
-    for p, row in zip(edit.positions if edit.positions is not None else range(len(value)), value):
+    for p, row in last_rows.items():
         groups.setdefault(row.tobytes(), (row, []))[1].append(p)
     return [{**base, "op": "add", "vector": encode(row), "positions": rows} for row, rows in groups.values()]

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -157,9 +158,11 @@ class EngineReplica:
         tokens, then `StreamEnd` with the whole result (replicas.api.streaming). Closing the stream
         early cancels the request in the engine."""
         from replicas.api.streaming import StreamEnd, stream_generate
+        from replicas.engine import tokens
 
         async with self._serving("generate_stream", request, options) as (request, run):
-            stream = stream_generate(self._engine, request, token_strs=run.options.token_strs)
+            texts = partial(tokens.token_strings, self._engine, vocab=self._info.d_vocab) if run.options.token_strs else None
+            stream = stream_generate(self._engine, request, token_texts=texts)
             try:
                 async for item in stream:
                     if isinstance(item, StreamEnd):

@@ -4,7 +4,9 @@
     python tests/saelens_reference.py make OUT_DIR D_IN HOOK
         writes OUT_DIR/{relu,jumprelu,topk} with SAELens's own `save_model`: random weights, each
         kind with a different `apply_b_dec_to_input` / `normalize_activations`, so the test
-        covers every branch of the encode.
+        covers every branch of the encode; and OUT_DIR/{topk_pre6,topk_pre6_fn}, TopK SAEs in the
+        format SAELens < 6 saved (a standard architecture whose activation_fn_str, or
+        activation_fn, is "topk" with activation_fn_kwargs.k), which SAELens 6 loads as TopK.
     python tests/saelens_reference.py encode JOBS.json
         for each job {"sae_dir", "acts" (a .npy of rows x), "out" (.npz), "dtype" (or null)}: loads
         the SAE with `SAE.load_from_disk` (dtype overrides its own) and writes `acts` =
@@ -58,6 +60,20 @@ def make(out_dir: str, d_in: int, hook: str) -> None:
             if name == "jumprelu":
                 sae.threshold.uniform_(0.0, 1.5)
         sae.save_model(f"{out_dir}/{name}")
+    pre_6 = {
+        "d_in": d_in, "d_sae": D_SAE, "dtype": "float32", "device": "cpu", "hook_point": hook, "hook_point_layer": 1,
+        "apply_b_dec_to_input": True, "model_name": "tiny", "context_size": 128, "sae_lens_training_version": "3.13.0",
+    }
+    for name, cfg in {
+        "topk_pre6": {"activation_fn_str": "topk", "activation_fn_kwargs": {"k": 9}, "normalize_activations": "none"},
+        "topk_pre6_fn": {"activation_fn": "topk", "activation_fn_kwargs": {"k": 17}, "normalize_activations": False},
+    }.items():
+        sae = StandardSAE(StandardSAEConfig(d_in=d_in, d_sae=D_SAE))
+        with torch.no_grad():
+            for weight in (sae.W_enc, sae.W_dec, sae.b_enc, sae.b_dec):
+                weight.normal_(0, 0.3)
+        sae.save_model(f"{out_dir}/{name}")
+        Path(f"{out_dir}/{name}/cfg.json").write_text(json.dumps(pre_6 | cfg))
 
 
 def encode(sae_dir: str, acts_path: str, out_path: str, dtype: str | None = None) -> None:

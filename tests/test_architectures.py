@@ -216,6 +216,42 @@ def test_per_head_edits_match_hf_and_leave_the_batch_alone(loop, arch):
     assert_close(uniform, expected_uniform, atol=1e-6, rtol=0, err_msg=name)
 
 
+def test_per_head_project_out_matches_hf_and_leaves_the_batch_alone(loop, arch):
+    """project_out with heads removes from each chosen head's d_head slice of z its component along
+    that head's unit direction (one d_head direction shared, or one per head), as HF with the same
+    edit of z; a scale by a number without heads multiplies every head, as TransformerLens's hook on
+    [pos, head, d_head] would; a request beside them in the batch is unchanged."""
+    name, engine, path, _ = arch
+    info = loop.run(engine.info())
+    heads, d_head = info.attention.n_heads, info.attention.d_head_v
+    rng = np.random.default_rng(5)
+    shared, own = rng.standard_normal(d_head).astype(np.float32), rng.standard_normal((heads, d_head)).astype(np.float32)
+    edits = [{"hook": "blocks.1.attn.hook_z", "op": "project_out", "vector": shared, "heads": list(range(heads))},
+             {"hook": "blocks.2.attn.hook_z", "op": "project_out", "vector": own, "heads": [heads - 1]},
+             {"hook": "blocks.3.attn.hook_z", "op": "scale", "factor": 0.5}]
+    prompt = prompt_ids(14, seed=25)
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+    plain, edited = loop.run(together(engine.generate(base), engine.generate(base | {"interventions": edits})))
+
+    def project(directions: np.ndarray, chosen: list[int]):
+        def fn(z):
+            z = z.clone()
+            for head in chosen:
+                unit = torch.from_numpy(directions[head] / np.linalg.norm(directions[head]))
+                z[:, head] -= (z[:, head] @ unit)[:, None] * unit
+            return z
+        return fn
+
+    head_edits = {1: project(np.tile(shared, (heads, 1)), list(range(heads))), 2: project(own, [heads - 1]), 3: lambda z: z * 0.5}
+    tokens = list(prompt)
+    for _ in range(4):
+        tokens.append(int(hf_attention(path, tokens, head_edits)[(-1, "logits")][-1].argmax()))
+    assert edited.token_ids == tokens[len(prompt):], name
+    expected = hf_attention(path, prompt + edited.token_ids[:-1], head_edits)[(-1, "logits")]
+    assert_close(edited.logits, expected, atol=LOGIT_TOL, rtol=0, err_msg=name)
+    assert_close(plain.logits, hf_logits(path, prompt + plain.token_ids[:-1]), atol=LOGIT_TOL, rtol=0, err_msg=name)
+
+
 async def together(*requests):
     return await asyncio.gather(*requests)
 

@@ -93,6 +93,27 @@ def test_a_per_head_site_scales_and_patches_only_the_chosen_heads():
     np.testing.assert_array_equal(site.staging[:3].numpy(), out.numpy())
 
 
+def test_project_out_on_heads_removes_each_heads_component_along_its_own_direction():
+    """As a hook on [pos, head, d_head] would: h[:, head] -= (h[:, head] . u) u per chosen head,
+    u the unit direction of that head; the joint heads x d_head row is not projected as one."""
+    site = Site(HookPoint(0, "z"), d_model=4, max_tokens=2, edit_stages=1, edit_slots=2, capture=True,
+                dtype=torch.float32, device=torch.device("cpu"), values=torch.zeros(4, 4), per_column=True, d_head=2)
+    shared = plan({"interventions": [{"hook": "0:z", "op": "project_out", "vector": [3.0, 4.0], "heads": [0, 1]}]},
+                  head_shapes={"z": (2, 2)})
+    edit = RequestPlan.from_wire({"key": "k", "prompt_len": 10, "edits": shared["edits"]}).edits[0]
+    np.testing.assert_allclose(edit.direction, [0.6, 0.8, 0.6, 0.8], rtol=1e-6)
+    site.table[0, 1] = torch.from_numpy(table_row(edit, 4, per_column=True))
+    site.slot[0, :2] = torch.tensor([1, 0])
+    rows = torch.tensor([[1.0, 2.0, -4.0, 3.0], [1.0, 2.0, -4.0, 3.0]])
+    # head 0: (1, 2) . (0.6, 0.8) = 2.2 -> (1, 2) - 2.2 (0.6, 0.8); head 1 is orthogonal to it; row 1 unedited
+    np.testing.assert_allclose(site(rows).numpy(), [[-0.32, 0.24, -4.0, 3.0], [1.0, 2.0, -4.0, 3.0]], atol=1e-6)
+    own = plan({"interventions": [{"hook": "1:z", "op": "project_out", "vector": [[1, 2], [0, 5], [3, 0], [1, 1]], "heads": [1, 2]}]})
+    edit = RequestPlan.from_wire({"key": "k", "prompt_len": 10, "edits": own["edits"]}).edits[0]
+    assert edit.direction.tolist() == [0, 0, 0, 1, 1, 0, 0, 0]  # each chosen head's own direction, unit
+    with pytest.raises(PlanError, match="zero on the chosen heads"):
+        plan({"interventions": [{"hook": "1:z", "op": "project_out", "vector": [[1, 2], [0, 0], [3, 0], [1, 1]], "heads": [1]}]})
+
+
 def test_a_z_site_written_in_place_hands_on_the_op_rows_and_stages_only_edits():
     """The attention op wrote z's rows into the site's staging buffer: an unedited site hands those
     rows on as they are (its input, the op's unwritten tensor, is never read) and copies nothing; a

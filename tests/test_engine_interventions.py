@@ -148,6 +148,32 @@ def test_edits_stay_in_their_own_rows(loop, engines, tiny_models):
     assert_same(c.logits, alone.logits)
 
 
+def test_per_position_edits_past_edit_stages_and_repeated_positions_match_hf(loop, engines, tiny_models):
+    """Three adds of different vectors and a set at disjoint positions of one hook share one of the
+    engine's edit_stages=2, a scale of every prompt row after them the other. A position listed
+    twice is edited once (add), or takes its last row (set), as TransformerLens's act[:, pos] op= v:
+    equal to HF with each edit spelt once; a request beside them is unchanged."""
+    engine, path = engines["llama"], tiny_models["llama"]
+    prompt, hook = prompt_ids(9, seed=26), "blocks.1.hook_resid_post"
+    rows = np.random.default_rng(13).standard_normal((2, D_MODEL)).astype(np.float32)
+    adds = [{"hook": hook, "op": "add", "vector": direction(14 + i), "scale": 3.0} for i in range(3)]
+    scale = {"hook": hook, "op": "scale", "factor": 0.5, "positions": "prompt"}
+    asked = [adds[0] | {"positions": [1]}, adds[1] | {"positions": [3, 3]}, adds[2] | {"positions": [-1]},
+             {"hook": hook, "op": "set", "values": rows, "positions": [5, -4]}, scale]
+    meant = [adds[0] | {"positions": [1]}, adds[1] | {"positions": [3]}, adds[2] | {"positions": [8]},
+             {"hook": hook, "op": "set", "values": rows[1:], "positions": [5]}, scale]
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+
+    async def together():
+        return await asyncio.gather(engine.generate(base | {"interventions": asked}), engine.generate(base))
+
+    edited, plain = loop.run(together())
+    reference = hf_edits(meant, len(prompt))
+    assert edited.token_ids == hf_greedy(path, prompt, 4, edits=reference)
+    assert_close(edited.logits, hf_logits(path, prompt + edited.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)
+    assert_close(plain.logits, hf_logits(path, prompt + plain.token_ids[:-1]), atol=LOGIT_TOL, rtol=0)
+
+
 def test_requests_with_the_same_edit_share_its_row_until_the_last_one_ends(loop, engines, tiny_models):
     """A and B steer with one vector (one table row); A ends first, then C takes a free row for
     another vector while B still runs: B must keep its own vector to the end."""

@@ -238,7 +238,8 @@ def test_completion_echo_puts_the_prompt_and_its_logprobs_first():
     assert choice["text"] == "<s>o7hello 0"
     logprobs = choice["logprobs"]
     assert logprobs["tokens"] == ["<s>", "o7", "hel", "lo"] and logprobs["token_logprobs"] == [None, -1.5, -0.5, -0.25]
-    assert logprobs["top_logprobs"][1] == {"z": -0.5} and logprobs["text_offset"] == [0, 3, 5, 8]
+    # k + 1 per position, as vLLM: the position's own token first, then the top k
+    assert list(logprobs["top_logprobs"][1].items()) == [("o7", -1.5), ("z", -0.5)] and logprobs["text_offset"] == [0, 3, 5, 8]
     only = translate_completion({"prompt": [0, 7], "max_tokens": 0, "echo": True, "logprobs": 0}, SERVED, 512)
     body = completion(only, result(), "cmpl-1", 7, {}, TEXT, prompt_text="<s>o7")
     assert body["choices"][0]["text"] == "<s>o7" and body["usage"]["completion_tokens"] == 0

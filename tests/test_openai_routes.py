@@ -38,7 +38,7 @@ def output(*completions: tuple[int, str, list[int], str | None]) -> Any:
 
 
 def test_delta_tracker_turns_cumulative_outputs_into_merged_deltas():
-    tracker = DeltaTracker(SimpleNamespace(decode=lambda ids: f"<{ids[0]}>"))
+    tracker = DeltaTracker(lambda ids: [f"<{i}>" for i in ids])
     tracker.feed(output((0, "He", [1], None), (1, "X", [9], None)))
     tracker.feed(output((0, "Hello", [1, 2], None)))  # only the completions that advanced
     first = tracker.drain()

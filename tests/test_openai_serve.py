@@ -163,6 +163,24 @@ def test_async_and_streaming_clients_get_the_same_text_and_capture_on_the_last_c
         assert "".join(pieces) == native(handle, {"prompt": "The mill", "max_tokens": 8, "temperature": 0}).text
 
 
+def test_streamed_logprobs_equal_a_whole_answers(client):
+    """Streamed deltas get their token texts on the replica as a whole answer does (vLLM's text
+    of each token); completions list the sampled token in every position's top_logprobs."""
+    for kind, kwargs, entries in (
+        ("chat", {"messages": chat_prompt("The river"), "logprobs": True, "top_logprobs": 2},
+         lambda c: [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in c.logprobs.content]),
+        ("completions", {"prompt": "The river", "logprobs": 2},
+         lambda c: list(zip(c.logprobs.tokens, c.logprobs.token_logprobs, map(list, map(dict.items, c.logprobs.top_logprobs))))),
+    ):
+        create = client.chat.completions.create if kind == "chat" else client.completions.create
+        whole = entries(create(model=MODEL, max_tokens=6, temperature=1.0, seed=5, **kwargs).choices[0])
+        streamed = [e for chunk in create(model=MODEL, max_tokens=6, temperature=1.0, seed=5, stream=True, **kwargs)
+                    if chunk.choices and chunk.choices[0].logprobs for e in entries(chunk.choices[0])]
+        assert streamed == whole and len(whole) == 6, kind
+        if kind == "completions":
+            assert all(token in dict(top) for token, _, top in whole)
+
+
 def test_a_capture_over_the_inline_cap_is_downloaded_once_with_the_key(handle, client):
     hooks = [f"blocks.{i}.hook_{kind}" for i in range(4) for kind in ("resid_pre", "resid_post", "attn_out", "mlp_out")]
     capture = {"hooks": hooks, "positions": "all"}

@@ -33,6 +33,7 @@ REFERENCE = REPO / "tests" / "saelens_reference.py"
 HOOK = "blocks.1.hook_resid_post"
 D_MODEL, D_SAE = 128, 256
 KINDS = ("relu", "jumprelu", "topk")
+PRE_6 = ("topk_pre6", "topk_pre6_fn")  # TopK in SAELens < 6's format: activation_fn_str / activation_fn "topk"
 PROMPT = "The cat sat on the mat and looked at the door"
 
 
@@ -73,7 +74,7 @@ def sae_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         pytest.skip(f"SAELens side venv missing: {SIDE_PYTHON} (make it with scripts/install_saelens.sh)")
     root = tmp_path_factory.mktemp("saes")
     side_venv("make", str(root), str(D_MODEL), HOOK)
-    return {kind: str(root / kind) for kind in KINDS}
+    return {kind: str(root / kind) for kind in KINDS + PRE_6}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def sae_engine(loop, sae_dirs: dict[str, str], tmp_path_factory: pytest.TempPath
     from tests.conftest import start_engine
 
     model = make_tiny_model("llama", tmp_path_factory.mktemp("sae-model") / "llama", seed=1)
-    saes = {kind: {"path": path} for kind, path in sae_dirs.items()}
+    saes = {kind: {"path": sae_dirs[kind]} for kind in KINDS}
     saes["relu_bf16"] = {"path": sae_dirs["relu"], "dtype": "bfloat16"}
     engine = loop.run(start_engine(model, name="engine-sae", saes=saes))
     yield engine
@@ -93,9 +94,10 @@ def sae_engine(loop, sae_dirs: dict[str, str], tmp_path_factory: pytest.TempPath
 
 
 def test_encode_equals_saelens(sae_dirs: dict[str, str], tmp_path: Path) -> None:
-    """Each kind in float32, and ReLU and TopK with bfloat16 weights: bit for bit on the same rows."""
+    """Each kind in float32 (TopK saved by SAELens < 6 too), and ReLU and TopK with bfloat16
+    weights: bit for bit on the same rows."""
     x = (np.random.default_rng(0).standard_normal((24, D_MODEL)) * 2).astype(np.float32)
-    cases = [(kind, None) for kind in KINDS] + [("relu", "bfloat16"), ("topk", "bfloat16")]
+    cases = [(kind, None) for kind in KINDS + PRE_6] + [("relu", "bfloat16"), ("topk", "bfloat16")]
     references = saelens_encode([(sae_dirs[kind], x, dtype) for kind, dtype in cases], tmp_path)
     for (kind, dtype), (reference, error) in zip(cases, references):
         sae = DeviceSae.load(read_facts(kind, {"path": sae_dirs[kind], "dtype": dtype}))
@@ -157,6 +159,33 @@ def test_start_up_checks_name_the_field(sae_dirs: dict[str, str], tmp_path: Path
     for sae, text_config, extra, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             EngineConfig(model="m", saes={"relu": sae}, **extra).for_checkpoint("pre_norm", None, text_config)
+
+
+def test_saelens_pre_6_configs_read_as_saelens_6_reads_them(sae_dirs: dict[str, str], tmp_path: Path) -> None:
+    """activation_fn_str / activation_fn "topk" with activation_fn_kwargs.k is the topk architecture
+    with that k (the encode is checked against SAELens in test_encode_equals_saelens); the hook comes
+    from hook_point; an activation capserve cannot run is refused, not read as ReLU."""
+    for kind, k in (("topk_pre6", 9), ("topk_pre6_fn", 17)):
+        facts = read_facts(kind, {"path": sae_dirs[kind]})
+        assert (facts.architecture, facts.k, facts.hook, facts.normalize_activations) == ("topk", k, HOOK, "none"), kind
+        assert not facts.rescale_acts_by_decoder_norm
+    old = json.loads((Path(sae_dirs["topk_pre6"]) / "cfg.json").read_text())
+    cases = [
+        ({"activation_fn_str": "relu", "activation_fn_kwargs": {}}, None),
+        ({"activation_fn_str": "topk", "activation_fn_kwargs": {}}, "saes.old: activation_fn 'topk' (cfg.json, SAELens < 6) names no activation_fn_kwargs.k"),
+        ({"activation_fn_str": "tanh-relu"}, "saes.old: activation_fn 'tanh-relu' (cfg.json, SAELens < 6) is not served; served: relu, topk"),
+        ({"hook_point": "blocks.1.attn.hook_z"}, "saes.old: reshape_activations='hook_z' (cfg.json) is not served"),
+        ({"sae_lens_version": "6.2.0", "activation_fn_str": "tanh-relu", "hook_name": HOOK}, None),  # 6 reads no activation field
+    ]
+    for i, (edit, message) in enumerate(cases):
+        folder = tmp_path / f"old-{i}"
+        shutil.copytree(sae_dirs["topk_pre6"], folder)
+        (folder / "cfg.json").write_text(json.dumps(old | edit))
+        if message is None:
+            assert read_facts("old", {"path": str(folder)}).architecture == "standard"
+            continue
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_facts("old", {"path": str(folder)})
 
 
 def test_request_schema() -> None:

@@ -164,6 +164,36 @@ def test_plans_reject_what_the_model_or_deployment_cannot_serve():
     assert wire["capture"]["sites"] == [[0, "resid_post", "0:resid_post"]]
 
 
+def test_edits_at_disjoint_explicit_positions_share_a_stage_and_keep_their_order():
+    """A row takes one edit per stage: edits at disjoint explicit positions (a per-position add)
+    share one, and an edit goes after every earlier one at its hook that may touch its rows."""
+    def add(positions) -> dict:
+        return {"hook": "1:resid_post", "op": "add", "vector": [1.0, 2.0, 3.0, 4.0], "positions": positions}
+
+    scale = {"hook": "1:resid_post", "op": "scale", "factor": 2.0, "positions": "prompt"}
+    wire = plan({"interventions": [add([1]), add([3, 3]), add([-1]), add([2, 0])]})["edits"]
+    assert [e["stage"] for e in wire] == [0, 0, 0, 0]
+    wire = plan({"interventions": [add([1]), scale, add([4]), add([1, 5])]}, edit_stages=3)["edits"]
+    assert [e["stage"] for e in wire] == [0, 1, 2, 2]  # [1, 5] goes after [1] and after the mode
+    with pytest.raises(PlanError, match=r"interventions\[1\]: 2 edits at hook '1:resid_post' may touch one position; .* at most 1 per hook at a position"):
+        plan({"interventions": [add([1, 2]), add([-8])]})  # -8 is position 2 of 10
+    with pytest.raises(PlanError, match=r"interventions\[2\]: 3 edits .* at most 2 per hook"):
+        plan({"interventions": [add([1]), scale, add([4])]}, edit_stages=2)
+
+
+def test_a_position_listed_twice_is_edited_once_and_refused_for_rows_that_come_back():
+    """TransformerLens: act[:, [3, 3]] += v adds v once; act[:, [3, 3]] = rows takes the last row.
+    Captured rows come back once per position, so a repeat there is refused with what to do."""
+    edit = {"hook": "1:resid_post", "op": "set", "values": [[1.0] * 4, [2.0] * 4, [3.0] * 4], "positions": [3, -7, 5]}
+    assert plan({"interventions": [edit]})["edits"][0]["positions"] == [3, -7, 5]
+    assert selected_offsets([3, -7, 5], 0, 10, 10).tolist() == [3, 5]
+    assert value_rows([3, -7, 5], np.array([3, 5]), 10, 3).tolist() == [1, 2]  # position 3: the last row given for it
+    for field, request in (("capture", {"capture": {"hooks": ["0:resid_post"], "positions": [3, -7]}}),
+                           ("logits", {"logits": {"positions": [3, 3]}})):
+        with pytest.raises(PlanError, match=rf"{field}.positions: position 3 is listed more than once .* list each position once"):
+            plan(request, d_vocab=5)
+
+
 def test_a_kind_the_block_shape_lacks_is_refused_with_the_reason():
     from replicas.engine.architectures import absent_kinds
 
@@ -255,6 +285,10 @@ def test_edit_slots_admit_by_distinct_ops():
     order = asyncio.run(scenario())
     assert order[:3] == ["a in", "b in", "released"]  # both share the one slot; c waited
     assert order.index("c in") > order.index("b out")
+    # one request that needs more rows at a hook than there are would wait for ever: refused
+    EditSlots(2).check([edit([1.0, 2.0]), edit([1.0, 2.0]), edit([3.0, 4.0])])
+    with pytest.raises(PlanError, match=r"interventions: 3 distinct edits at layer 1 resid_post .* at most 2 there at once \(engine option edit_slots\)"):
+        EditSlots(2).check([edit([1.0, 2.0]), edit([3.0, 4.0]), edit([5.0, 6.0])])
 
 
 def test_captured_positions_follow_each_mode_and_stop_where_the_rows_did():

@@ -15,7 +15,7 @@ import pytest
 from inspect_ai.model import GenerateConfig
 
 from provider.tl_protocol import TLCall, requested
-from replicas.api import Choice, GenerateRequest, GenerateResult, ModelInfo
+from replicas.api import AttentionInfo, Choice, GenerateRequest, GenerateResult, ModelInfo
 from replicas.api.arrays import from_raw
 from replicas.api.errors import InvalidRequestError
 from tests.test_provider import D_MODEL, FakeApp
@@ -87,6 +87,39 @@ def test_every_op_maps_onto_capserves_vocabulary():
     np.testing.assert_array_equal(edits[5].values, rows)
 
 
+def test_a_position_listed_twice_is_edited_once_as_transformerlens_indexes():
+    """TransformerLens's provider does out[..., pos, :] = op(t[..., pos, :]): a repeated position is
+    edited once, and a per-position value gives it its last row."""
+    ids = [1, 2, 3, 4]
+    rows = np.arange(3 * D, dtype=np.float32).reshape(3, D)
+    request = translate(input_ids=ids, interventions={
+        "0:resid_post": {"op": "suppress", "pos": [1, -3]},
+        "1:mlp_out": {"op": "add", "value": rows, "pos": [2, 0, 2]},
+        "1:attn_out": {"op": "set", "value": rows, "pos": [3, 3, 1]},
+    })  # fmt: skip
+    edits = GenerateRequest.model_validate(request).interventions
+    assert [(e.hook, e.op, e.positions) for e in edits] == [
+        ("0:resid_post", "scale", [1, 1]), ("1:mlp_out", "add", [2]), ("1:mlp_out", "add", [0]), ("1:attn_out", "set", [3, 3, 1]),
+    ]
+    np.testing.assert_array_equal(edits[1].vector, rows[2])  # position 2: the last of its two rows
+    np.testing.assert_array_equal(edits[2].vector, rows[1])
+    np.testing.assert_array_equal(edits[3].values, rows)  # the replica's set takes the last row for position 3
+
+
+def test_a_number_on_an_attention_kind_covers_its_flat_heads_row():
+    """TransformerLens's provider adds or sets a scalar value on the flat [pos, heads x d_head]
+    tensor of v and z as on the residual stream, and scales them by a factor."""
+    info = INFO.model_copy(update={"armed_kinds": [*INFO.armed_kinds, "v", "z"], "attention": AttentionInfo(
+        n_heads=4, n_kv_heads=2, d_head=3, d_head_v=3, scale=[1.0] * 2, soft_cap=[0.0] * 2, sliding_window=[None] * 2)})
+    args = {"input_ids": [1, 2, 3], "interventions": {
+        "0:z": {"op": "add", "value": 0.5, "pos": [1]}, "1:v": {"op": "set", "value": -2.0}, "1:z": {"op": "scale", "factor": 3.0}}}
+    request = TLCall.parse(config(**args)).request([], config(**args), info)
+    edits = GenerateRequest.model_validate(request).interventions
+    np.testing.assert_array_equal(edits[0].vector, np.full(4 * 3, 0.5, np.float32))
+    np.testing.assert_array_equal(edits[1].values, np.full(2 * 3, -2.0, np.float32))
+    assert (edits[2].op, edits[2].factor, edits[2].heads) == ("scale", 3.0, None)
+
+
 def test_the_answer_is_the_protocols_wire_format():
     acts = np.arange(3 * D, dtype=np.float32).reshape(3, D)
     logits = np.linspace(-1, 1, 3 * 11, dtype=np.float32).reshape(3, 11)
@@ -140,7 +173,6 @@ def test_patterns_go_out_in_transformerlens_axis_order():
         ({"interventions": {"1:resid_post": {"op": "add", "value": 1.0, "scale": 2}}}, r"key\(s\) \['scale'\] do not apply to op 'add'; it takes op, value, pos"),
         ({"interventions": {"1:resid_post": {"op": "suppress", "pos": "last"}}}, r"\.pos: expected an int or a non-empty list of ints"),
         ({"input_ids": [1, 2], "interventions": {"1:resid_post": {"op": "suppress", "pos": [0, 2]}}}, r"\.pos: position\(s\) \[2\] outside the 2 input tokens \(allowed -2\.\.1\)"),
-        ({"input_ids": [1, 2], "interventions": {"1:resid_post": {"op": "suppress", "pos": [1, -1]}}}, r"\.pos: \[1, -1\] names a position twice"),
         ({"input_ids": [1, 2], "interventions": {"1:resid_post": {"op": "set", "value": np.zeros((3, D))}}}, r"\.value: 3 rows for 2 position\(s\)"),
         ({"interventions": {"1:resid_post": {"op": "add", "value": np.zeros((2, D))}}}, r"\.value: a per-position value needs pos or input_ids"),
     ],

@@ -107,6 +107,7 @@ from replicas._vllm.tools import (  # noqa: E402
     parse_tool_delta,
     template_messages,
     template_tools,
+    token_texts,
     tool_generation_options,
     tool_parser,
     tool_parser_class,

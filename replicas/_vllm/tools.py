@@ -1,4 +1,5 @@
-"""Tool calling as `vllm serve --enable-auto-tool-choice --tool-call-parser NAME` runs it."""
+"""What vLLM's OpenAI server computes that the OpenAI routes must match: tool calling as `vllm serve
+--enable-auto-tool-choice --tool-call-parser NAME` runs it, and logprob token texts."""
 
 from __future__ import annotations
 
@@ -144,3 +145,23 @@ def parse_tool_delta(
     out.pop("reasoning", None)
     out.pop("role", None)
     return out or None
+
+
+# ---------------------------------------------------------------- token text
+
+
+def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's text as vLLM's OpenAI server shows it in logprobs: the `decoded_token` its
+    output processor gives each Logprob (vllm/v1/engine/logprobs.py), i.e. decode() of the one
+    token with the leading spaces of a SentencePiece piece restored ("▁hello" -> " hello";
+    a byte-level "Ġhello" decodes to " hello" as it is). vLLM also re-decodes a byte-fallback
+    piece that ends in U+FFFD with the tokens before it; without that context it stays as decoded.
+    vllm.tokenizers.detokenizer_utils in 0.26 and 0.32 (vllm.transformers_utils before)."""
+    try:
+        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    except ImportError:
+        try:
+            from vllm.transformers_utils.detokenizer_utils import convert_ids_list_to_tokens
+        except ImportError as exc:
+            raise VllmInternalsError("token_texts", f"no convert_ids_list_to_tokens ({exc})") from None
+    return list(convert_ids_list_to_tokens(tokenizer, ids))

@@ -85,6 +85,12 @@ class Intervention(BaseModel):
     those heads: `scale` with factor 0 on `blocks.{i}.attn.hook_z` ablates them. `vector` and
     `values` are then full rows ([n_heads * d_head], or [n_heads, d_head] per row) of which only
     the chosen heads' columns are used, or one head's width [d_head], used for each chosen head.
+    `project_out` there works head by head, as on TransformerLens's [pos, head, d_head] tensor:
+    each chosen head's d_head slice loses its component along that head's unit direction.
+
+    A position listed twice in `positions` is edited once, as TransformerLens's act[:, pos] op= v
+    (numpy's assignment): `set` gives it the last row listed for it. Edits at one hook run in list
+    order; edits at disjoint explicit positions take one of the engine's `edit_stages` together.
     """
 
     model_config = _STRICT

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,8 +64,8 @@ class DeltaTracker:
     (synchronously, so each step's state is read before the next step changes it); `drain` hands
     the consumer everything pending, merged per completion."""
 
-    def __init__(self, tokenizer: Any = None) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, token_texts: Callable[[list[int]], list[str]] | None = None) -> None:
+        self._token_texts_of = token_texts  # ids -> their texts, for `StreamDelta.tokens`; None: none sent
         self._sent: dict[int, tuple[int, int]] = {}  # completion index -> (characters, tokens) sent
         self._finished: set[int] = set()
         self._pending: list[ChoiceDelta] = []
@@ -115,19 +115,20 @@ class DeltaTracker:
         return StreamDelta(choices, self._token_texts(choices))
 
     def _token_texts(self, choices: list[ChoiceDelta]) -> dict[int, str]:
-        if self._tokenizer is None:
+        if self._token_texts_of is None:
             return {}
         ids = {t for c in choices for t in c.token_ids}
         ids |= {t for c in choices for row in c.logprobs or () for t in row}
-        return {t: self._tokenizer.decode([t]) for t in sorted(ids)}
+        return dict(zip(sorted(ids), self._token_texts_of(sorted(ids))))
 
 
 async def stream_generate(
-    engine: Any, request: GenerateRequest, token_strs: bool = False
+    engine: Any, request: GenerateRequest, token_texts: Callable[[list[int]], list[str]] | None = None
 ) -> AsyncIterator[StreamDelta | StreamEnd]:
-    """`engine.generate(request)` as a stream of deltas, then its result. Closing the stream early
-    (the client went away) cancels the request in the engine, which frees its rows."""
-    tracker = DeltaTracker(engine.tokenizer if token_strs else None)
+    """`engine.generate(request)` as a stream of deltas, then its result; `token_texts` (ids -> texts,
+    replicas.engine.tokens.token_strings) sends the text of the deltas' tokens. Closing the stream
+    early (the client went away) cancels the request in the engine, which frees its rows."""
+    tracker = DeltaTracker(token_texts)
     task = asyncio.ensure_future(engine.generate(request, on_output=tracker.feed))
     task.add_done_callback(lambda _: tracker.changed.set())
     try:

@@ -371,7 +371,7 @@ class CaptureEngine:
 
     def _plan(self, key: str, request: GenerateRequest, prompt_ids: list[int]) -> dict[str, Any] | None:
         try:
-            return build_wire_plan(
+            plan = build_wire_plan(
                 key,
                 self.saes.resolve_features(request),  # add by SAE feature -> add of its decoder row
                 prompt_len=len(prompt_ids),
@@ -390,6 +390,9 @@ class CaptureEngine:
                 moe=self._info.moe,
                 same_kinds=same_kinds(self.shape),
             )
+            if plan is not None:
+                self._edit_slots.check(plan["edits"])
+            return plan
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
 

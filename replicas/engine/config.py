@@ -92,7 +92,11 @@ class EngineConfig(BaseModel):
         description="Layers whose steer_kinds accept interventions (default: every layer); a deployment that "
         "steers at known layers pays the edit pass only there.",
     )
-    edit_stages: int = Field(1, ge=0, le=8, description="Edits one request may stack at one hook; each costs a pass over the rows of every armed site.")
+    edit_stages: int = Field(
+        1, ge=0, le=8,
+        description="Edits one request may stack at one position of one hook (edits at disjoint explicit positions "
+        "share one); each costs a pass over the rows of every armed site.",
+    )
     edit_slots: int = Field(
         64, ge=1, description="Distinct interventions (op and vector) per hook running at once; requests with the same one share it."
     )

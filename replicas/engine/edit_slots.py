@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from replicas.api.errors import PlanError
+
 
 class EditSlots:
     """Admits a request with interventions once each of its ops fits the worker's edit table.
@@ -20,6 +22,17 @@ class EditSlots:
         self.users: Counter[tuple] = Counter()  # op -> requests holding it
         self.per_hook: Counter[tuple] = Counter()  # (layer, kind, stage) -> distinct ops held
         self.changed = asyncio.Condition()
+
+    def check(self, wire_edits: list[dict[str, Any]]) -> None:
+        """Refuse a request that alone needs more rows at one hook and stage than there are: it
+        would wait for ever. (Edits at disjoint positions share a stage, one row each.)"""
+        per_hook = Counter(op[:3] for op in {_op_key(edit) for edit in wire_edits})
+        for (layer, kind, _), n in per_hook.items():
+            if n > self.slots:
+                raise PlanError(
+                    f"interventions: {n} distinct edits at layer {layer} {kind} apply side by side; this replica "
+                    f"holds at most {self.slots} there at once (engine option edit_slots)"
+                )
 
     @asynccontextmanager
     async def hold(self, wire_edits: list[dict[str, Any]]) -> AsyncIterator[None]:

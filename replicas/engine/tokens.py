@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from replicas import _vllm
 from replicas.api import GenerateRequest
 from replicas.api.errors import InvalidRequestError
 
@@ -47,10 +48,10 @@ def detokenize(engine: Any, ids: list[int], vocab: int) -> str:
 
 
 def token_strings(engine: Any, ids: list[int], vocab: int) -> list[str]:
-    """Each token's own text (what logprobs report as `token`)."""
+    """Each token's own text (what logprobs report as `token`), as vLLM's OpenAI server shows it:
+    a SentencePiece "▁hello" is " hello" (`_vllm.token_texts`)."""
     _check_ids(ids, vocab)
-    tokenizer = _tokenizer(engine)
-    return [tokenizer.decode([i]) for i in ids]
+    return _vllm.token_texts(_tokenizer(engine), ids)
 
 
 def _check_ids(ids: list[int], vocab: int) -> None:

@@ -1,7 +1,7 @@
 """The parts of a request's plan that concern attention: the width of each hook's rows, the q and
 k a pattern is computed from, and per-head edits as full rows with a factor per column
-(replicas.worker.sites). Used by `replicas.plans.request` (engine side) and `replicas.engine.attention` (the replica).
-Router hooks (mixture-of-experts) have widths of their own, here too."""
+(replicas.worker.sites); project_out there takes one unit direction per head. Used by `replicas.plans.request`
+(engine side) and `replicas.engine.attention` (the replica). Router hooks (mixture-of-experts) have widths of their own, here too."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from replicas.api import CaptureSpec, MoeInfo, Positions
+from replicas.api.arrays import unit
 from replicas.api.errors import PlanError
 from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS, HookPoint
 
@@ -90,8 +91,13 @@ def head_edit(
         return array * mask
 
     vector, values = full_rows("vector", edit.vector, 2), full_rows("values", edit.values, 3)
-    if edit.op == "project_out" and not np.linalg.norm(vector) > 0:
-        raise PlanError(f"{where}.vector: zero on the chosen heads, so there is no direction to project out")
+    if edit.op == "project_out":
+        # each head's slice is projected on its own direction, as a hook on [pos, head, d_head] would:
+        # one unit vector per head (the site reduces per head), zero on heads it leaves alone
+        per_head = vector.reshape(heads, d_head)
+        if not per_head.any():
+            raise PlanError(f"{where}.vector: zero on the chosen heads, so there is no direction to project out")
+        vector = np.stack([unit(head) if head.any() else head for head in per_head]).reshape(-1)
     if edit.op == "scale":  # the factor on the chosen heads' columns, 1 elsewhere
         return vector, values, 1.0 + (float(edit.factor) - 1.0) * mask, 1.0
     if edit.op == "set":  # zero the set heads; `values` (zero elsewhere) is added to the row

@@ -131,7 +131,9 @@ def reduced_on_replica(capture: CaptureSpec, prompt_len: int) -> bool:
     return any(index >= prompt_len for index in capture.positions)
 
 
-def check_positions(field_name: str, spec: Positions, prompt_len: int, max_tokens: int) -> None:
+def check_positions(field_name: str, spec: Positions, prompt_len: int, max_tokens: int, repeats: bool = False) -> None:
+    """Explicit indices inside the sequence fed through the model; `repeats`: a position may be
+    listed more than once (edits: it is edited once, as TransformerLens's act[:, pos] op= v)."""
     if isinstance(spec, str):
         return
     fed = prompt_len + max_tokens - 1
@@ -143,8 +145,14 @@ def check_positions(field_name: str, spec: Positions, prompt_len: int, max_token
                 f"-{prompt_len}..{fed - 1} (prompt of {prompt_len} tokens, the last of "
                 f"{max_tokens} generated tokens is never fed through the model)"
             )
-    if len(set(absolute_indices(spec, prompt_len).tolist())) != len(spec):
-        raise PlanError(f"{field_name}: the same position is listed twice")
+    absolute = absolute_indices(spec, prompt_len).tolist()
+    repeated = sorted({p for p in absolute if absolute.count(p) > 1})
+    if repeated and not repeats:
+        raise PlanError(
+            f"{field_name}: position {repeated[0]} is listed more than once in {spec}; rows come back once per "
+            f"position, in ascending order, with their positions: list each position once and pick rows from the "
+            f"result (TransformerLens's act[:, {spec}] is those rows, repeated)"
+        )
 
 
 # ---------------------------------------------------------------- engine side: request -> wire plan
@@ -303,7 +311,8 @@ def _wire_edits(
     same: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     edits: list[dict[str, Any]] = []
-    stages: dict[HookPoint, int] = {}
+    # per hook, the edits so far: (stage, positions; None for a mode, which may select any row)
+    placed: dict[HookPoint, list[tuple[int, set[int] | None]]] = {}
     for i, edit in enumerate(request.interventions):
         where = f"interventions[{i}]"
         point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent, moe, same)
@@ -312,7 +321,7 @@ def _wire_edits(
                 f"{where}.hook: layer {point.layer} of {edit.hook!r} does not accept interventions in this "
                 f"deployment; steerable layers: {sorted(steer_layers)} (engine option steer_layers)"
             )
-        check_positions(f"{where}.positions", edit.positions, prompt_len, request.max_tokens)
+        check_positions(f"{where}.positions", edit.positions, prompt_len, request.max_tokens, repeats=True)
         if point.kind in HEAD_KINDS:
             vector, values, columns, factor = head_edit(where, edit, point.kind, head_shapes)
         else:
@@ -335,13 +344,19 @@ def _wire_edits(
                     f"{where}.values: {values.shape[0]} rows but positions={edit.positions!r} "
                     f"selects {needed}; give one row per position or a single row to broadcast"
                 )
-        stage = stages.get(point, 0)
+        # A row takes one edit per stage, and stages run in order: an edit goes after every earlier
+        # edit at its hook that may touch one of its rows, so edits at disjoint explicit positions
+        # (a per-position add, one edit per row) share a stage.
+        rows = None if isinstance(edit.positions, str) else set(absolute_indices(edit.positions, prompt_len).tolist())
+        before = placed.setdefault(point, [])
+        stage = 1 + max((s for s, other in before if rows is None or other is None or rows & other), default=-1)
         if stage >= edit_stages:
             raise PlanError(
-                f"{where}: more than {edit_stages} edits at hook {edit.hook!r}; this replica applies at "
-                f"most {edit_stages} per hook (engine option edit_stages)"
+                f"{where}: {stage + 1} edits at hook {edit.hook!r} may touch one position; this replica applies "
+                f"at most {edit_stages} per hook at a position (engine option edit_stages); edits at disjoint "
+                "explicit positions do not stack"
             )
-        stages[point] = stage + 1
+        before.append((stage, rows))
         edits.append(
             {
                 "layer": point.layer,
@@ -371,7 +386,7 @@ class EditPlan:
     op: str
     positions: Positions
     phase: str
-    direction: np.ndarray | None = None  # unit vector for project_out; raw vector for add
+    direction: np.ndarray | None = None  # unit vector for project_out (one per head at a per-head site); raw vector for add
     values: np.ndarray | None = None
     scale: float = 1.0
     norm_match: bool = False
@@ -453,8 +468,8 @@ class RequestPlan:
 
 def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
     vector = None if wire["vector"] is None else arrays.from_raw(wire["vector"]).astype(np.float32)
-    if wire["op"] == "project_out" and vector is not None:
-        vector = arrays.unit(vector)
+    if wire["op"] == "project_out" and vector is not None and wire["kind"] not in HEAD_KINDS:
+        vector = arrays.unit(vector)  # per-head kinds: one unit direction per head already (plans.heads.head_edit)
     return EditPlan(
         site=(wire["layer"], wire["kind"]),
         stage=int(wire["stage"]),

@@ -6,7 +6,8 @@ decoder row); the device side — weights, encode, top-k — is `replicas.sae.de
 An SAE is a folder in SAELens's saved format (`SAE.save_model`): `cfg.json` plus
 `sae_weights.safetensors` with W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in],
 b_dec [d_in], and `threshold` [d_sae] for JumpReLU. Architectures: standard (ReLU), jumprelu,
-topk (its `k`, and `rescale_acts_by_decoder_norm`).
+topk (its `k`, and `rescale_acts_by_decoder_norm`). A cfg.json saved by SAELens < 6 is read as
+SAELens 6 reads it (`saelens_6_config`), so its `activation_fn: topk` is the topk architecture.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def read_facts(sae_id: str, config: SaeConfig | dict[str, Any]) -> SaeFacts:
     for name in (CFG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise ValueError(f"{where}.path: {str(folder)!r} has no {name}; give a folder saved by SAELens's SAE.save_model")
-    cfg = json.loads((folder / CFG_FILE).read_text())
+    cfg = saelens_6_config(json.loads((folder / CFG_FILE).read_text()), where)
     architecture = cfg.get("architecture", "standard")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"{where}: architecture {architecture!r} (cfg.json) is not served; served: {', '.join(ARCHITECTURES)}")
@@ -112,6 +113,33 @@ def read_facts(sae_id: str, config: SaeConfig | dict[str, Any]) -> SaeFacts:
         k=int(k) if architecture == "topk" else None,
         rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)) and architecture == "topk",
     )
+
+
+def saelens_6_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """A cfg.json saved by SAELens < 6 (no sae_lens_version, or below 6) in SAELens 6's terms, as
+    6.54 reads it (loading/pretrained_sae_loaders.py handle_pre_6_0_config): hook_point is
+    hook_name, activation_fn_str is activation_fn, a bool normalize_activations is
+    'expected_average_only_in' or 'none', an SAE of hook_z reshapes its input, and a topk activation
+    with activation_fn_kwargs.k is the topk architecture with that k. 6.54 runs any other
+    activation as ReLU (its configs have no activation field); one that is not ReLU, or topk
+    without its k, is refused here rather than misread."""
+    version = cfg.get("sae_lens_version") or (cfg.get("metadata") or {}).get("sae_lens_version")
+    if version and int(str(version).split(".")[0]) >= 6:
+        return cfg
+    renames = {"hook_point": "hook_name", "activation_fn_str": "activation_fn"}
+    cfg = {renames.get(key, key): value for key, value in cfg.items()}
+    activation = cfg.get("activation_fn") or "relu"
+    k = (cfg.get("activation_fn_kwargs") or {}).get("k")
+    if activation == "topk" and k is None:
+        raise ValueError(f"{where}: activation_fn 'topk' (cfg.json, SAELens < 6) names no activation_fn_kwargs.k")
+    if activation not in ("relu", "topk"):
+        raise ValueError(f"{where}: activation_fn {activation!r} (cfg.json, SAELens < 6) is not served; served: relu, topk")
+    if activation == "topk":
+        cfg["architecture"], cfg["k"] = "topk", k
+    if isinstance(cfg.get("normalize_activations"), bool):
+        cfg["normalize_activations"] = "expected_average_only_in" if cfg["normalize_activations"] else "none"
+    cfg.setdefault("reshape_activations", "hook_z" if "hook_z" in str(cfg.get("hook_name", "")) else "none")
+    return cfg
 
 
 def check_saes(

@@ -102,7 +102,7 @@ def _build_sites(
         stages = options.edit_stages if steered(point.layer, point.kind) else 0  # type: ignore[arg-type]
         sites[point] = Site(
             point, d_model=widths[point], edit_stages=stages, capture=True, per_column=point.kind in HEAD_KINDS,
-            written_in_place=point.kind == "z" and options.attention_in_place, **site_args
+            written_in_place=point.kind == "z" and options.attention_in_place, d_head=head_width(layout, point), **site_args
         )
     final = HookPoint(None, "ln_final")
     sites[final] = Site(final, d_model=layout.d_model, edit_stages=0, capture=True, **site_args)
@@ -120,6 +120,14 @@ def site_width(layout: _vllm.ModelLayout, point: HookPoint) -> int:
     geometry = _vllm.attention_geometry(layout.attention[point.layer])  # type: ignore[index]
     heads = geometry.n_heads if point.kind in ("q", "z") else geometry.n_kv_heads
     return heads * (geometry.d_head_v if point.kind in ("v", "z") else geometry.d_head)
+
+
+def head_width(layout: _vllm.ModelLayout, point: HookPoint) -> int | None:
+    """d_head of a per-head kind's rows, the columns a per-head project_out takes at a time; None elsewhere."""
+    if point.kind not in HEAD_KINDS:
+        return None
+    geometry = _vllm.attention_geometry(layout.attention[point.layer])  # type: ignore[index]
+    return geometry.d_head_v if point.kind in ("v", "z") else geometry.d_head
 
 
 _EXACT_IDS = {torch.bfloat16: 256, torch.float16: 2048}  # largest integer each holds exactly

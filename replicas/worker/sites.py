@@ -7,7 +7,7 @@ reads after the step. Nothing here branches on data or leaves the device, so the
 eagerly on CPU and inside torch.compile + CUDA graphs on GPU.
 
 One stage of the per-row edit, for slot s of the row (all read from one table row):
-    h = h - (h . proj[s]) proj[s]                 # project_out (proj[0] = 0)
+    h = h - (h . proj[s]) proj[s]                 # project_out (proj[0] = 0), per head at a per-head site
     h = h * factor[s]                             # scale       (factor[0] = 1)
     h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
 (a row holds one op, so |h| is the stage's input norm and one reduction pass serves both sums;
@@ -26,7 +26,10 @@ in the engine, 3-4 ms of a 32-request batch's 1.48 s decode, docs/notes/step-loo
 A per-head site (q, k, v, z: `per_column`) has one more d-wide vector per slot, `columns`,
 multiplied in with `factor` (1 for the identity): a head selector scales, or zeroes before a `set`,
 only its heads' columns. Its `set` is then `values + h`, where `values` is zero outside the set
-heads and `h` zero inside them, so one row can patch some heads and keep the others.
+heads and `h` zero inside them, so one row can patch some heads and keep the others. Its
+project_out takes the dot product per head (`d_head` columns at a time) with a direction that is
+unit on each head it edits, so each head loses the component along its own direction, as a hook
+on TransformerLens's [pos, head, d_head] tensor would remove it.
 
 The `set` values live in one buffer that every site shares ([max_set_edits x max_tokens, d]):
 a row of the step belongs to one request, which carries at most `max_set_edits` set edits, so
@@ -86,10 +89,12 @@ class Site(nn.Module):
         values: torch.Tensor | None = None,
         per_column: bool = False,
         written_in_place: bool = False,
+        d_head: int | None = None,
     ):
         super().__init__()
         self.point = point
         self.per_column = per_column
+        self.d_head = d_head or d_model  # columns one project_out dot product spans: a head's, or the whole row
         self.written_in_place = written_in_place  # its input's rows are already in `staging` (see above)
         self.vectors = 3 if per_column else 2  # d-wide vectors at the start of a table row
         self.edit_stages = edit_stages
@@ -144,11 +149,12 @@ class Site(nn.Module):
         add_coef = row[:, scalars + ADD_COEF_COLUMN].unsqueeze(-1)
         norm_coef = row[:, scalars + NORM_COEF_COLUMN].unsqueeze(-1)
         x = h.float()
-        # One reduction pass: a table row holds one op, so when the add is norm-matched the row's
-        # direction is 0 and its factor 1, and the norm it needs is the input's.
-        dot = (x * direction).sum(-1, keepdim=True)
+        # A table row holds one op, so when the add is norm-matched the row's direction is 0 and
+        # its factor 1, and the norm it needs is the input's.
+        per_head, direction = x.unflatten(-1, (-1, self.d_head)), direction.unflatten(-1, (-1, self.d_head))
+        dot = (per_head * direction).sum(-1, keepdim=True)
         norm = (x * x).sum(-1, keepdim=True).sqrt()
-        x = (x - dot * direction) * factor
+        x = (per_head - dot * direction).flatten(-2) * factor
         # the norm enters only rows whose op asked for it
         x = x + add * (add_coef + torch.where(norm_coef != 0, norm_coef * norm, 0.0))
         values = self.values.index_select(0, self.set_row[:n])
