@@ -72,9 +72,9 @@ def test_plan_exact_truncate_pack(tmp_path):
 
 
 def test_columns_take_the_transformerlens_name_of_any_spelling(tmp_path):
-    cap = load_capture(fake_capture(tmp_path / "cap", [list(range(4))] * 2, hooks=("1:resid_post", "blocks.0.mlp.hook_out")))
+    cap = load_capture(fake_capture(tmp_path / "cap", [list(range(4))] * 2, hooks=("1:resid_post", "0:mlp_out")))
     plan = plan_export(cap)
-    assert plan.hooks == ["1:resid_post", "blocks.0.mlp.hook_out"] and plan.columns == [HOOK, OTHER]
+    assert plan.hooks == ["1:resid_post", "0:mlp_out"] and plan.columns == [HOOK, OTHER]
     twice = load_capture(fake_capture(tmp_path / "twice", [list(range(4))] * 2, hooks=("1:resid_post", HOOK)))
     with pytest.raises(ExportError, match="names one hook twice"):
         plan_export(twice)
