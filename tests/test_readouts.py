@@ -185,6 +185,33 @@ def test_device_math_and_packing_round_trip(files: SimpleNamespace) -> None:
     np.testing.assert_allclose(device.probe("p", x).numpy(), x.numpy() @ w.T + b, atol=1e-5)
 
 
+def test_results_travel_as_json_in_every_format() -> None:
+    """The native result's JSON, the HTTP body, inspect metadata and the OpenAI `capserve` field."""
+    lens = ReadoutResult(kind="logit_lens", hook=PROBE_HOOK, positions=[0, 1], ids=np.array([[3, 1], [2, 0]], np.int32),
+                         logprobs=np.array([[-0.5, -1.5], [-0.25, -2.0]], np.float32), tokens=[["c", "a"], ["b", " x"]])
+    probe = ReadoutResult(kind="probe", hook=PROBE_HOOK, probe="p", positions=[4], values=np.array([[1.5, -2.0, 0.0]], np.float32))
+    result = GenerateResult(request_id="r", text="", token_ids=[], prompt_token_ids=[1], finish_reason=None, choices=[],
+                            readouts=[lens, probe])
+    back = GenerateResult.model_validate_json(result.model_dump_json())
+    for got, want in zip(back.readouts, result.readouts):
+        assert (got.kind, got.hook, got.probe, got.positions, got.tokens) == (want.kind, want.hook, want.probe, want.positions, want.tokens)
+        for name in ("ids", "logprobs", "values"):
+            if getattr(want, name) is None:
+                assert getattr(got, name) is None
+            else:
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+                assert getattr(got, name).dtype == getattr(want, name).dtype
+    from deploy.http_parts import result_fields
+    from deploy.openai_responses import capserve_field
+    from provider.activations import result_metadata
+
+    encoded = json.loads(result.model_dump_json())["readouts"]
+    meta, written = result_metadata(result, [])
+    assert written is None and json.loads(json.dumps(meta))["readouts"] == encoded
+    assert result_fields(result)["readouts"] == encoded
+    assert json.loads(json.dumps(capserve_field(result)))["readouts"] == encoded
+
+
 # ---------------------------------------------------------------- the engines
 
 
