@@ -212,6 +212,53 @@ def test_results_travel_as_json_in_every_format() -> None:
     assert json.loads(json.dumps(capserve_field(result)))["readouts"] == encoded
 
 
+def test_a_steps_lenses_are_grouped_computed_in_bounded_chunks_and_a_failure_fails_only_its_requests() -> None:
+    """The collector alone: two requests' lenses at one hook take one computation (at the larger
+    top_k) in row chunks of max_step_temp_bytes, equal to the whole; a computation that fails on
+    the device fails its requests, and the others get their rows."""
+    from replicas.readouts.device import lens_row_bytes
+    from replicas.readouts.specs import ReadoutCatalog
+    from replicas.worker.collector import Collector
+    from replicas.worker.outbox import RequestBuffers
+    from replicas.worker.request_table import RequestTable
+    from tests.test_engine_memory import CPU, D, LmHead, Outbox, sites_of, step_of, wire_plan
+
+    sites = sites_of(kinds=("resid_post",), edit_stages=0, max_tokens=80)
+    generator = torch.Generator().manual_seed(3)
+    for s in sites.values():
+        s.staging.copy_(torch.randn(s.staging.shape, generator=generator))
+    head, vocab, computed = LmHead(50), 50, []
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        computed.append(x.shape[0])
+        if torch.equal(x, 2 * sites[(2, "resid_post")].staging[60:70]):  # the third request's lens (layer 2) fails
+            raise RuntimeError("out of device memory (a stand-in)")
+        return (x @ head.weight[:vocab].T).float()
+
+    readouts = DeviceReadouts(Unembed(norm=lambda x: 2 * x, logits=logits))
+    collector = Collector(None, sites, vocab, CPU, Outbox(), max_step_bytes=10 * lens_row_bytes(D, vocab, 4), readouts=readouts)
+    table, catalog = RequestTable(), ReadoutCatalog(None, {})
+    specs = [[{"kind": "logit_lens", "hook": "0:resid_post", "top_k": 5}],
+             [{"kind": "logit_lens", "hook": "blocks.0.hook_resid_post", "top_k": 3, "positions": "prompt"}],
+             [{"kind": "logit_lens", "hook": "2:resid_post", "top_k": 2}]]
+    plans = [wire_plan({"readouts": spec}, n, readouts=catalog) for spec, n in zip(specs, (40, 20, 10))]
+    buffers = [RequestBuffers.for_plan(plan, D, vocab, None) for plan in plans]
+    for i, (plan, buffer) in enumerate(zip(plans, buffers)):
+        table.admit(f"r{i}", plan, buffer, -1)
+    collector.collect(step_of(table, [40, 20, 10]), table)
+    for step in collector.outbox.steps:
+        step.file()
+    assert computed == [10] * 6 + [10]  # layer 0's 60 rows in chunks of 10; layer 2's 10 rows, which failed
+    staging = sites[(0, "resid_post")].staging
+    whole = torch.log_softmax(2 * staging[:60] @ head.weight[:vocab].T, -1)
+    want_logprobs, want_ids = torch.topk(whole, 5, -1)
+    for rows, (lo, hi), k in ((buffers[0].readouts[0], (0, 40), 5), (buffers[1].readouts[0], (40, 60), 3)):
+        np.testing.assert_array_equal(rows.ids[: hi - lo], want_ids[lo:hi, :k].numpy())
+        np.testing.assert_allclose(rows.logprobs[: hi - lo], want_logprobs[lo:hi, :k].numpy(), atol=1e-5)
+    assert buffers[0].error is None and buffers[1].error is None
+    assert buffers[2].error == "read-out failed on the device: out of device memory (a stand-in)"
+
+
 # ---------------------------------------------------------------- the engines
 
 
