@@ -26,8 +26,8 @@ import tempfile
 import uuid
 import weakref
 from collections.abc import Callable
-from functools import partial
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import numpy as np
