@@ -128,6 +128,7 @@ class HttpResult(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     replica: str | None
     sae: dict[str, dict[str, Any]] = {}  # by sae_id: hook, positions, ids, values, error (arrays encoded)
+    readouts: list[dict[str, Any]] = []  # in the request's order: kind, hook, probe, positions, ids, logprobs, tokens, values
 
 
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/GenerateRequest"}}}}}

@@ -186,6 +186,8 @@ def capserve_field(result: GenerateResult, download: dict[str, Any] | None = Non
     }
     if result.sae:  # SAE features (replicas.api.SaeFeatures), arrays in the base64 format
         field["sae"] = {sae_id: features.model_dump(mode="json") for sae_id, features in result.sae.items()}
+    if result.readouts:  # lenses and probes (replicas.api.ReadoutResult), in the request's order
+        field["readouts"] = [readout.model_dump(mode="json") for readout in result.readouts]
     if len(result.choices) > 1:
         field["choice_token_ids"] = [c.token_ids for c in result.choices]
     if download is not None:

@@ -8,7 +8,7 @@ Rules (docs/openai.md):
   nothing capserve computes (`IGNORED`: user, metadata, ...), accepted only at the value that
   changes nothing (`NEUTRAL`: frequency_penalty 0, ...), or refused with a 400 naming the field.
   An unknown field is refused too: nothing that would change the result is silently dropped.
-- capserve's own fields (`capture`, `interventions`, `logits`, `sae`) ride as top-level extra fields
+- capserve's own fields (`capture`, `interventions`, `logits`, `sae`, `readouts`) ride as top-level extra fields
   (what the openai client's `extra_body` sends), or inside `vllm_xargs`: either one key
   "capserve" holding a JSON string of an object with those fields, or one key per field holding
   a JSON string (or the object itself).
@@ -30,7 +30,7 @@ from replicas.api.errors import InvalidRequestError
 from replicas.api.streaming import CallOptions
 
 # GenerateRequest fields that are capserve's own (not OpenAI's), validated by GenerateRequest itself.
-CAPSERVE_FIELDS = ("capture", "interventions", "logits", "sae")
+CAPSERVE_FIELDS = ("capture", "interventions", "logits", "sae", "readouts")
 XARGS_KEY = "capserve"
 
 # Accepted, whatever their value: they change nothing capserve computes.
@@ -120,6 +120,7 @@ class _Body(BaseModel):
     interventions: Any = None
     logits: Any = None
     sae: Any = None
+    readouts: Any = None
     vllm_xargs: dict[str, Any] | None = None
 
 
@@ -363,7 +364,7 @@ def _sampling(parsed: _Body) -> dict[str, Any]:
 
 
 def capserve_fields(parsed: _Body) -> dict[str, Any]:
-    """capture / interventions / logits / sae, from the top level and from vllm_xargs."""
+    """capture / interventions / logits / sae / readouts, from the top level and from vllm_xargs."""
     fields = {name: getattr(parsed, name) for name in CAPSERVE_FIELDS if getattr(parsed, name) is not None}
     for key, value in (parsed.vllm_xargs or {}).items():
         where = f"vllm_xargs.{key}"

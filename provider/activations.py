@@ -12,6 +12,8 @@ into the .eval log; numpy arrays would be logged as null):
     "logits", "logits_positions": the same array entry and rows, when logits were asked for
     "sae":                  {"<sae_id>": {"hook", "positions", "ids", "values", "error"}}, SAE
                             features (replicas.api.SaeFeatures), arrays inline as above (they are small)
+    "readouts":             [{"kind", "hook", "probe", "positions", "ids", "logprobs", "tokens", "values"}],
+                            lenses and probes in the request's order (replicas.api.ReadoutResult), inline
 
 Keys are TransformerLens's wire keys (`"1:resid_post"`; the final norm keeps its full name
 `"ln_final.hook_normalized"`) and inline entries use its `{"data", "dtype", "shape"}` format
@@ -98,6 +100,8 @@ def result_metadata(
     logits = encoded.pop(LOGITS, None)
     if result.sae:
         meta["sae"] = {sae_id: features.model_dump(mode="json") for sae_id, features in result.sae.items()}
+    if result.readouts:
+        meta["readouts"] = [readout.model_dump(mode="json") for readout in result.readouts]
     if hooks:
         meta["activations"] = encoded
     if logits is not None:

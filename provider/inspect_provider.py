@@ -14,7 +14,7 @@ inspect's tools, with the served model's chat template. Tool calls are parsed on
 the parser its engine config names (`tool_call_parser`, e.g. hermes) and come back as inspect
 `ToolCall`s; `tool_choice` "any" is OpenAI's "required". Per-call options ride in
 `GenerateConfig.extra_body`: any `GenerateRequest` field but `prompt`, e.g.
-`{"capture": {...}, "interventions": [...], "logits": {"positions": "last_prompt"}}`; a
+`{"capture": {...}, "interventions": [...], "logits": {"positions": "last_prompt"}, "readouts": [...]}`; a
 `capture` there is merged over the `-M` capture defaults (`"capture": None` turns it off).
 
 TransformerLens's inspect protocol (`extra_body={"extra_args": {...}}`, what its bridge sends its
@@ -227,7 +227,7 @@ class CapserveAPI(ModelAPI):
     async def _metadata(self, request: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
         meta: dict[str, Any] = {"replica": result.replica, "request_id": result.request_id}
         capture = request.get("capture")
-        if capture is None and result.logits is None and not result.sae:
+        if capture is None and result.logits is None and not result.sae and not result.readouts:
             return meta
         encoded, tensors = acts.result_metadata(
             result,

@@ -7,7 +7,8 @@ Packages, by the process their code runs in:
 - `worker/`: code inside vLLM's worker process (hook sites, step tables, row collection).
 - `plans/`: a request turned into what the worker reads each step (built by the engine).
 - `arena/`: host shared memory between the worker and the replica, and its lifeline.
-- `sae/`, `shards/`: SAE read-outs; capture shards and the replica-side sink.
+- `sae/`, `readouts/`, `shards/`: SAE features; logit/tuned lens and probe read-outs; capture shards and
+  the replica-side sink.
 - `replica.py` (the Serve deployment), `_vllm/` (the one package that touches vLLM internals),
   `tiny.py` (tiny random test models).
 

@@ -48,7 +48,7 @@ if __name__ == "__main__":  # run as a script: make `tests` and `replicas` impor
 
 from tests.hf_shapes import LAYER_KINDS, PARALLEL, ROUTER_KINDS, SANDWICH, UNNORMED_KINDS, layout, route, router_of  # noqa: E402
 
-__all__ = ["LAYER_KINDS", "hf_activations", "hf_greedy", "hf_logits", "layer_kinds", "load_model"]
+__all__ = ["LAYER_KINDS", "hf_activations", "hf_greedy", "hf_lens", "hf_logits", "layer_kinds", "load_model"]
 
 Key = tuple[Union[int, None], str]
 EditFn = Callable[[torch.Tensor], torch.Tensor]
@@ -247,6 +247,37 @@ def hf_logits(
     """[seq, vocab] float32 logits with the edits applied (after any final softcapping)."""
     logits, _ = _forward(path, token_ids, edits, False, dtype)
     return logits.numpy()
+
+
+def hf_lens(
+    path: str | Path,
+    token_ids: Sequence[int],
+    site: Key,
+    translator: tuple[np.ndarray, np.ndarray] | None = None,
+    dtype: DType = torch.float32,
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """[seq, vocab] float32 log_softmax of the logit lens at `site`: HF's final norm (not on
+    ln_final, normed already) and output embedding applied to the site's value, then Gemma 2's
+    final logit softcapping, as the model's own logits. `translator` (W [d, d], b [d]): the tuned
+    lens's h + h @ W.T + b first, in the model's dtype (tuned-lens's TunedLens.forward). `rows`:
+    decode these [seq, d_model] rows (e.g. a server's captured ones) instead of HF's own value."""
+    model = load_model(path, dtype)
+    if rows is None:
+        h = _forward(path, token_ids, None, True, dtype)[1][site]
+    else:
+        h = torch.from_numpy(np.asarray(rows, dtype=np.float32)).to(_dtype(dtype))
+    with torch.inference_mode():
+        if translator is not None:
+            weight, bias = (torch.from_numpy(np.asarray(a)).to(h.dtype) for a in translator)
+            h = h + torch.nn.functional.linear(h, weight, bias)
+        if site[1] != "ln_final":
+            h = layout(model).final_norm(h)
+        logits = model.get_output_embeddings()(h)
+        cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return torch.log_softmax(logits.float(), dim=-1).numpy()
 
 
 def hf_greedy(

@@ -24,7 +24,7 @@ from replicas.tiny import ARCHS as ALL_ARCHS
 from replicas.tiny import make_tiny_model
 from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, armed_with_attention, assert_close, start_engine
 from tests.hf_attention import hf_attention
-from tests.hf_reference import hf_activations, hf_greedy, hf_logits
+from tests.hf_reference import hf_activations, hf_greedy, hf_lens, hf_logits
 from tests.test_engine_capture import prompt_ids
 from tests.test_engine_interventions import direction, hf_edits
 
@@ -56,8 +56,10 @@ def test_every_hook_and_the_logits_match_hf_on_prompt_and_generated_rows(loop, a
     assert set(info.armed_kinds) == set(kinds) | set(HEAD_KINDS) | set(PATTERN_KINDS) | extra
     hooks = [f"blocks.{i}.hook_{kind}" for i in range(info.n_layers) for kind in kinds] + [FINAL_NORM_HOOK]
     prompt = prompt_ids(PROMPT_LEN, seed=3)
+    lens_hook = f"blocks.{info.n_layers // 2}.hook_resid_post"  # the model's own head on a middle layer (docs/readouts.md)
     result = loop.run(engine.generate({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                                       "capture": {"hooks": hooks}, "logits": {"positions": "all"}}))
+                                       "capture": {"hooks": hooks}, "logits": {"positions": "all"},
+                                       "readouts": {"kind": "logit_lens", "hook": lens_hook, "top_k": 5}}))
     fed = prompt + result.token_ids[:-1]
     assert result.positions == list(range(len(fed)))
     assert result.token_ids == hf_greedy(path, prompt, MAX_TOKENS), name
@@ -68,6 +70,10 @@ def test_every_hook_and_the_logits_match_hf_on_prompt_and_generated_rows(loop, a
             assert_close(got, reference[(i, kind)], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL, err_msg=f"{name} layer {i} {kind}")
     assert_close(result.activations[FINAL_NORM_HOOK], reference[(None, "ln_final")], atol=ACTIVATION_TOL, rtol=ACTIVATION_TOL)
     assert_close(result.logits, hf_logits(path, fed), atol=LOGIT_TOL, rtol=0, err_msg=name)
+    lens = result.readouts[0]
+    reference = hf_lens(path, fed, (info.n_layers // 2, "resid_post"))
+    assert_close(lens.logprobs, np.take_along_axis(reference, lens.ids.astype(np.int64), 1), atol=LOGIT_TOL, err_msg=name)
+    assert_close(lens.logprobs, -np.sort(-reference, axis=1)[:, :5], atol=LOGIT_TOL, err_msg=name)
 
 
 def edit_of(op: str, hook: str) -> dict:

@@ -23,13 +23,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "replicas/plans": ("replicas.api", "replicas.plans"),
     "replicas/arena": ("replicas.api", "replicas.arena"),
     "replicas/sae": ("replicas.api", "replicas.plans", "replicas.sae"),
+    "replicas/readouts": ("replicas.api", "replicas.plans", "replicas.readouts"),
     "replicas/shards": ("replicas.api", "replicas.arena", "replicas.shards"),
     # vLLM's worker process: never the replica's engine, the deployment or the Serve layer; of the
     # engine package only the options it was started with
     "replicas/worker": ("replicas._vllm", "replicas.api", "replicas.plans", "replicas.arena", "replicas.sae",
-                        "replicas.worker", "replicas.engine.config"),
+                        "replicas.readouts", "replicas.worker", "replicas.engine.config"),
     "replicas/engine": ("replicas._vllm", "replicas.api", "replicas.plans", "replicas.arena", "replicas.sae",
-                        "replicas.engine"),
+                        "replicas.readouts", "replicas.engine"),
     # the Serve layer and the clients: never the worker, vLLM internals or the engine itself
     "deploy": ("deploy", "replicas.api", "replicas.plans", "replicas.shards", "replicas.replica", "replicas.engine.config"),
     "provider": ("provider", "replicas.api", "replicas.shards"),

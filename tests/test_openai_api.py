@@ -124,6 +124,22 @@ def test_sae_rides_like_the_other_capserve_fields():
     refused(translate_chat, {"messages": USER, "sae": [SAE], "vllm_xargs": {"sae": json.dumps([SAE])}}, SERVED, 512, param="sae")
 
 
+READOUTS = [{"kind": "logit_lens", "hook": HOOK, "top_k": 3, "positions": "last_prompt"}, {"kind": "probe", "probe": "p"}]
+
+
+def test_readouts_ride_like_the_other_capserve_fields():
+    native = GenerateRequest.model_validate({"prompt": "hi", "readouts": READOUTS}).readouts
+    sent = [chat(readouts=READOUTS).request, chat(vllm_xargs={"capserve": json.dumps({"readouts": READOUTS})}).request,
+            chat(vllm_xargs={"readouts": json.dumps(READOUTS)}).request,
+            translate_completion({"prompt": "hi", "readouts": READOUTS}, SERVED, 512).request]
+    for request in sent:
+        assert request.readouts == native
+    assert chat(readouts=READOUTS[0]).request.readouts == native[:1]  # one spec or a list
+    error = refused(translate_chat, {"messages": USER, "readouts": [{**READOUTS[0], "top_k": 0}]}, SERVED, 512,
+                    param="readouts.0.logit_lens.top_k")
+    assert "greater than or equal to 1" in str(error)
+
+
 @pytest.mark.parametrize("sae, param, why", [
     ([{**SAE, "top_k": 0}], "sae.0.top_k", "greater than or equal to 1"), ([{**SAE, "error": "huge"}], "sae.0.error", "'vector'"),
     ([{**SAE, "bogus": 1}], "sae.0.bogus", "Extra inputs"), ([{"top_k": 4}], "sae.0.sae_id", "Field required"),

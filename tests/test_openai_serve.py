@@ -44,12 +44,19 @@ def handle(tmp_path_factory):
 
     key_file = tmp_path_factory.mktemp("secrets") / "api_key"
     key_file.write_text(KEY + "\n")
+    from tests.test_readouts import probe_file, tuned_lens_folder
+
+    lenses = tmp_path_factory.mktemp("readouts")
+    tuned_lens_folder(lenses / "lens", seed=1)
+    probe_file(lenses / "probe.safetensors", 3, n_out=3, hook=HOOKS[0])
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {
         "num_replicas": 2,
         "api_key_file": str(key_file),
-        "engine": {"max_model_len": 512, "max_num_seqs": 64},  # the tiny model parses Hermes tool calls by default
+        # the tiny model parses Hermes tool calls by default
+        "engine": {"max_model_len": 512, "max_num_seqs": 64, "tuned_lens": str(lenses / "lens"),
+                   "probes": {"probe": {"path": str(lenses / "probe.safetensors")}}},
         "openai": {"inline_bytes": INLINE_BYTES, "capture_ttl_s": 120},
     }
     yield serve.run(build_app(args), name="capserve", route_prefix="/")
@@ -200,6 +207,37 @@ def test_a_capture_over_the_inline_cap_is_downloaded_once_with_the_key(handle, c
         np.testing.assert_allclose(tensors[hook], reference.activations[hook], atol=TOL, rtol=0)
     again = httpx.get(download["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert again.status_code == 404 and again.json()["error"]["code"] == "capture_not_found"
+
+
+READOUTS = [{"kind": "logit_lens", "hook": HOOKS[1], "top_k": 4}, {"kind": "tuned_lens", "hook": HOOKS[0], "top_k": 3},
+            {"kind": "probe", "probe": "probe", "positions": "last_prompt"}]
+
+
+def test_readouts_come_back_in_the_capserve_field_as_the_native_api_returns_them(handle, client):
+    """Lenses (ids, logprobs, token texts) and a probe through the chat route, streamed or not, equal
+    the native result of the same greedy request; a readout the replica refuses is a 400 naming it."""
+    from replicas.api import ReadoutResult
+
+    greedy = {"max_tokens": 5, "temperature": 0}
+    reference = native(handle, {"prompt": chat_prompt("Read the mill"), "readouts": READOUTS, **greedy})
+    answer = client.chat.completions.create(model=MODEL, messages=chat_prompt("Read the mill"), **greedy,
+                                            extra_body={"readouts": READOUTS})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat_prompt("Read the mill"), stream=True,
+                                                 **greedy, extra_body={"readouts": READOUTS}))
+    streamed = next(c.model_extra["capserve"] for c in chunks if (c.model_extra or {}).get("capserve"))
+    assert answer.choices[0].message.content == reference.text
+    for field in (answer.model_extra["capserve"], streamed):
+        got = [ReadoutResult.model_validate(r) for r in field["readouts"]]
+        assert [(r.kind, r.hook, r.probe, r.positions, r.tokens) for r in got] == [
+            (r.kind, r.hook, r.probe, r.positions, r.tokens) for r in reference.readouts]
+        for mine, theirs in zip(got, reference.readouts):
+            for name in ("ids", "logprobs", "values"):
+                if getattr(theirs, name) is not None:
+                    np.testing.assert_allclose(getattr(mine, name), getattr(theirs, name), atol=TOL, rtol=0)
+    assert reference.readouts[0].ids.shape == (len(reference.prompt_token_ids) + 4, 4)
+    assert reference.readouts[2].values.shape == (1, 3)
+    with pytest.raises(openai.BadRequestError, match=r"readouts\[0\].probe: unknown probe 'nope'; this replica serves \['probe'\]"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"readouts": {"kind": "probe", "probe": "nope"}})
 
 
 def test_client_errors_are_4xx_and_not_retried(client):

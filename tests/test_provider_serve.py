@@ -111,9 +111,10 @@ def inspect_env(root: Path) -> dict[str, str]:
     return env
 
 
-def app_args(num_replicas: int) -> dict[str, Any]:
+def app_args(num_replicas: int, root: Path) -> dict[str, Any]:
     # the tiny model's defaults (deploy.config.TINY_TOOL_SETTINGS) parse its Hermes tool calls
-    return {"num_replicas": num_replicas, "engine": {"max_model_len": 512, "max_num_seqs": 64}}
+    probes = {"probe": {"path": str(root / "probe.safetensors")}}  # tests.test_readouts.probe_file
+    return {"num_replicas": num_replicas, "engine": {"max_model_len": 512, "max_num_seqs": 64, "probes": probes}}
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +126,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
     root = tmp_path_factory.mktemp("provider")
     (root / "task.py").write_text(TASK)
+    from tests.test_readouts import probe_file
+
+    probe_file(root / "probe.safetensors", 3, n_out=3, hook=HOOK)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")
-    handle = serve.run(build_app(app_args(2)), name=APP)
+    handle = serve.run(build_app(app_args(2, root)), name=APP)
     yield Cluster(handle, ray.get_runtime_context().gcs_address, make_tiny_model("llama"), root)
     serve.shutdown()
     ray.shutdown()
@@ -246,6 +250,36 @@ def test_a_capture_over_the_inline_limit_lands_in_files_that_read_back(cluster, 
     assert len(files) == 4
 
 
+def test_readouts_in_extra_body_land_in_the_metadata_as_direct_generate_returns_them(cluster, tmp_path):
+    """In-process eval: a logit lens and a probe asked through GenerateConfig.extra_body come back in
+    `ModelOutput.metadata["readouts"]` (JSON), equal to the handle's result for the same messages."""
+    from inspect_ai import Task, eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.model import GenerateConfig, get_model
+
+    import provider._registry  # noqa: F401  (the entry point, where the package is not installed)
+    from replicas.api import ReadoutResult
+
+    readouts = [{"kind": "logit_lens", "hook": "blocks.2.hook_resid_post", "top_k": 5, "positions": "last_prompt"},
+                {"kind": "probe", "probe": "probe"}]
+    model = get_model(f"capserve/{Path(cluster.model).name}", app=APP, memoize=False,
+                      config=GenerateConfig(temperature=0.0, max_tokens=6, extra_body={"readouts": readouts}))
+    task = Task(dataset=[Sample(id=i, input=messages(i)[0]["content"]) for i in range(3)])
+    (log,) = eval(task, model=model, log_dir=str(tmp_path / "logs"), display="none")
+    assert log.status == "success"
+    direct = cluster.direct("generate", [{"prompt": messages(i), "max_tokens": 6, "temperature": 0.0, "readouts": readouts}
+                                         for i in range(3)])
+    for sample in sorted(log.samples, key=lambda s: s.id):
+        reference = direct[sample.id]
+        got = [ReadoutResult.model_validate(r) for r in json.loads(json.dumps(sample.output.metadata["readouts"]))]
+        lens, probe = got
+        assert lens.positions == [len(reference.prompt_token_ids) - 1] and lens.tokens == reference.readouts[0].tokens
+        np.testing.assert_array_equal(lens.ids, reference.readouts[0].ids)
+        np.testing.assert_allclose(lens.logprobs, reference.readouts[0].logprobs, atol=TOL, rtol=0)
+        assert probe.values.shape == (len(reference.prompt_token_ids) + sample.output.usage.output_tokens - 1, 3)
+        np.testing.assert_allclose(probe.values, reference.readouts[1].values, atol=TOL, rtol=0)
+
+
 def test_client_sync_and_async_capture_many_equal_the_handle(cluster):
     import asyncio
 
@@ -344,7 +378,7 @@ def test_eval_wall_time_two_replicas_vs_one(cluster):
     timings: dict[str, dict[str, Any]] = {}
     for replicas in (2, 1):
         if replicas == 1:
-            serve.run(build_app(app_args(1)), name=APP)
+            serve.run(build_app(app_args(1, cluster.root)), name=APP)
         for shape, (n, tokens) in shapes.items():
             args = ("-T", f"n={n}", "-M", f"capture={HOOK}", "-M", "positions=last_prompt", "--extra-body", json.dumps({"ignore_eos": True}))
             log, wall = cluster.inspect_eval(*args, max_tokens=tokens)

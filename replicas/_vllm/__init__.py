@@ -82,6 +82,7 @@ from replicas._vllm.model import (  # noqa: E402
     attend_into,
     attention_geometry,
     compute_logits,
+    final_norm,
     layer_inputs,
     model_layout,
     replace_layer_inputs,

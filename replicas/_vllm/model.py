@@ -260,3 +260,9 @@ def compute_logits(runner: Any, hidden: torch.Tensor, vocab_size: int) -> torch.
     return logits[:, :vocab_size].float()
 
 
+def final_norm(layout: ModelLayout, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's final norm on rows [rows, d_model] alone: no fused residual (vLLM's norms
+    return (normed, residual) when given one), and by `forward`, so the ln_final site's hook does
+    not fire and its staging keeps this step's rows for the requests that capture them."""
+    normed = layout.final_norm.forward(hidden)
+    return normed[0] if isinstance(normed, tuple) else normed

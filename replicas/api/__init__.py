@@ -2,7 +2,9 @@
 worker all read. The schemas (`replicas.api.schemas`) are re-exported here; hook names, errors and
 the array wire format have their own modules in this package."""
 
+from replicas.api.fields import PositionMode, Positions, ResultArray
 from replicas.api.hooks import HookPoint, resolve_hook
+from replicas.api.readouts import LensSpec, ProbeSpec, ReadoutResult, ReadoutSpec
 from replicas.api.schemas import (
     AttentionInfo,
     CaptureSpec,
@@ -17,9 +19,6 @@ from replicas.api.schemas import (
     MoeInfo,
     NamedToolChoice,
     NamedToolChoiceFunction,
-    PositionMode,
-    Positions,
-    ResultArray,
     SaeFeatures,
     SaeSpec,
     Tool,
@@ -32,5 +31,6 @@ __all__ = [
     "HookPoint", "resolve_hook",
     "AttentionInfo", "CaptureSpec", "ChatMessage", "Choice", "FloatArray", "GenerateRequest", "GenerateResult",
     "Intervention", "LogitsSpec", "ModelInfo", "MoeInfo", "NamedToolChoice", "NamedToolChoiceFunction", "PositionMode",
-    "Positions", "ResultArray", "SaeFeatures", "SaeSpec", "Tool", "ToolCall", "ToolCallFunction", "ToolFunction",
+    "Positions", "ResultArray", "SaeFeatures", "SaeSpec", "LensSpec", "ProbeSpec", "ReadoutResult", "ReadoutSpec",
+    "Tool", "ToolCall", "ToolCallFunction", "ToolFunction",
 ]

@@ -7,7 +7,7 @@ arrays, nested lists or the `{"dtype", "shape", "data"}` encoding of `replicas.a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
@@ -22,7 +22,9 @@ from pydantic import (
 )
 
 from replicas.api import arrays
+from replicas.api.fields import Positions, ResultArray
 from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, resolve_hook
+from replicas.api.readouts import ReadoutList, ReadoutResult
 
 
 def _to_float_array(value: Any) -> np.ndarray:
@@ -45,10 +47,6 @@ FloatArray = Annotated[
     PlainSerializer(lambda a: a.tolist(), when_used="json"),
     WithJsonSchema({"type": "array", "items": {}, "description": "numbers, [d_model] or [rows, d_model]"}),
 ]
-
-PositionMode = Literal["all", "prompt", "generated", "last_prompt"]
-Positions = Union[PositionMode, list[int]]
-"""Which token positions: a mode, or absolute indices (negative count back from the prompt's end)."""
 
 _STRICT = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
@@ -301,6 +299,12 @@ class GenerateRequest(BaseModel):
     sae: Annotated[list[SaeSpec], BeforeValidator(_sae_list)] = Field(
         default_factory=list, description="SAE features: one spec or a list, each a different sae_id."
     )
+    readouts: ReadoutList = Field(
+        default_factory=list,
+        description="Read-outs computed on the replica's device (docs/readouts.md): one spec or a list, each "
+        "{kind: logit_lens | tuned_lens, hook, top_k, positions} or {kind: probe, probe, positions}; results in "
+        "GenerateResult.readouts, in the same order.",
+    )
     tools: list[Tool] | None = Field(
         None,
         description="Functions the model may call (chat prompts only); rendered by the chat template, calls "
@@ -387,18 +391,6 @@ class Choice(BaseModel):
         return data
 
 
-def _to_array(value: Any) -> np.ndarray:
-    return arrays.from_raw(value) if arrays.is_encoded_array(value) else np.asarray(value)
-
-
-ResultArray = Annotated[
-    np.ndarray,
-    BeforeValidator(_to_array),
-    PlainSerializer(lambda a: dict(arrays.to_base64(a)), when_used="json"),
-    WithJsonSchema({"type": "object", "description": "{dtype, shape, data: base64}"}),
-]
-
-
 class SaeFeatures(BaseModel):
     """One SAE's features for a request; row i belongs to token position `positions[i]`. `ids`
     int32 [n_positions, top_k] and `values` float32 [n_positions, top_k], largest first; past the
@@ -436,6 +428,7 @@ class GenerateResult(BaseModel):
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     sae: dict[str, SaeFeatures] = Field(default_factory=dict, description="SAE features by sae_id.")
+    readouts: list[ReadoutResult] = Field(default_factory=list, description="Read-outs, in the request's order.")
     replica: str | None = None
 
     @property

@@ -27,6 +27,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ from replicas.arena.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
 from replicas.plans.request import PLAN_KEY, build_wire_plan
 from replicas.engine.quantization import check_quantization
 from replicas.engine.results import Finish, add_captured, generation_result
+from replicas.readouts.specs import ReadoutCatalog
 from replicas.sae.specs import SaeCatalog
 from replicas.engine.tools import ToolCalling, ToolTurn, template_inputs
 from replicas.api.validation import validated
@@ -70,6 +72,7 @@ class CaptureEngine:
         self.tokenizer = None if config.engine_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
         self._edit_slots = EditSlots(config.edit_slots)
         self.saes = SaeCatalog.read(config.saes)  # replicas.sae.specs: checked by for_checkpoint
+        self.readouts = ReadoutCatalog.read(config.tuned_lens, config.probes)  # likewise (replicas.readouts.specs)
         self._taker = BatchedTake(llm, config.take_timeout_s)
         self._arena = ArenaReader()
         # Results view the arena in place (read-only arrays, as Ray hands out), their blocks held
@@ -193,7 +196,7 @@ class CaptureEngine:
     async def generate(self, request: GenerateRequest | dict[str, Any], on_output: Callable[[Any], None] | None = None) -> GenerateResult:
         """`on_output` sees each of vLLM's cumulative outputs as it comes (replicas.api.streaming); must not block."""
         request = validated(request)
-        if self.capture_failure is not None and (request.capture is not None or request.logits is not None):
+        if self.capture_failure is not None and (request.capture is not None or request.logits is not None or request.readouts):
             raise ReplicaUnavailableError(f"replica {self.name}: {self.capture_failure}")
         turn = self._tool_turn(request)  # None without tools
         prompt_ids = self.prompt_token_ids(request, turn)
@@ -389,6 +392,7 @@ class CaptureEngine:
                 saes=self.saes,
                 moe=self._info.moe,
                 same_kinds=same_kinds(self.shape),
+                readouts=self.readouts,
             )
             if plan is not None:
                 self._edit_slots.check(plan["edits"])
@@ -429,8 +433,14 @@ class CaptureEngine:
             raise ReplicaUnavailableError(f"replica {self.name}: {taken['error']}")
         if taken["error"]:
             raise CaptureFailedError(taken["error"])
-        add_captured(result, taken, finish, self._info, lambda raw: self._worker_array(raw, held))
+        add_captured(result, taken, finish, self._info, lambda raw: self._worker_array(raw, held), self._token_texts())
         return result
+
+    def _token_texts(self) -> Callable[[list[int]], list[str]] | None:
+        """Token ids -> their texts (read-outs' `tokens`), as the OpenAI routes show logprobs; None without a tokenizer."""
+        from replicas import _vllm
+
+        return None if self.tokenizer is None else partial(_vllm.token_texts, self.tokenizer)
 
 
 def _spill_parent() -> str | None:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.api.hooks import LAYER_KINDS, PATTERN_KINDS, LayerKind
 from replicas.engine.architectures import BlockShape, MoeShape, absent_kinds, layer_kinds, same_kinds
+from replicas.readouts.specs import ProbeConfig, check_readouts
 from replicas.sae.specs import SaeConfig, check_saes
 
 LOCKED_SETTINGS: dict[str, Any] = {
@@ -214,6 +215,19 @@ class EngineConfig(BaseModel):
         "(`sae`) or steer by (`add` with sae_id + feature); see docs/sae.md. Checked at start: d_in = d_model, "
         "the hook served.",
     )
+    tuned_lens: str | None = Field(
+        None,
+        description="Folder of a tuned lens for this model, for `readouts` of kind tuned_lens: tuned-lens's "
+        "TunedLens.save layout with params.pt converted to params.safetensors (no pickle is ever read); see "
+        "docs/readouts.md. Checked at start: d_model and num_hidden_layers match the model. Its translators take "
+        "n_layers x d_model^2 of device memory in the model's dtype.",
+    )
+    probes: dict[str, ProbeConfig] = Field(
+        default_factory=dict,
+        description="Linear probes loaded onto the device, by name, for `readouts` of kind probe: .safetensors files "
+        "with weight [n_out, d_model] and optional bias [n_out], the hook in the option or the file's metadata; see "
+        "docs/readouts.md. Checked at start: width d_model, the hook served.",
+    )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -235,7 +249,7 @@ class EngineConfig(BaseModel):
     ) -> "EngineConfig":
         """This config with what the checkpoint decides filled in: the kinds its blocks have
         (a kind they lack, asked for by name, is an error) and, for dtype auto, its own dtype.
-        With the checkpoint's text config, its SAEs are checked against the model."""
+        With the checkpoint's text config, its SAEs, tuned lens and probes are checked against the model."""
         kinds, absent = layer_kinds(shape, moe), absent_kinds(shape, moe)
         for name in ("armed_kinds", "steer_kinds"):
             lacking = [k for k in getattr(self, name) or () if k in absent]
@@ -250,6 +264,9 @@ class EngineConfig(BaseModel):
         if self.saes and text_config is not None:
             check_saes(self.saes, d_model=int(text_config.hidden_size), n_layers=int(text_config.num_hidden_layers),
                        armed_kinds=update["armed_kinds"], absent=absent)
+        if (self.tuned_lens is not None or self.probes) and text_config is not None:
+            check_readouts(self.tuned_lens, self.probes, d_model=int(text_config.hidden_size),
+                           n_layers=int(text_config.num_hidden_layers), armed_kinds=update["armed_kinds"], absent=absent)
         return self.model_copy(update=update)
 
     def engine_args(
@@ -297,6 +314,8 @@ class EngineConfig(BaseModel):
                 "edit_slots": self.edit_slots,
                 "max_set_edits": self.max_set_edits,
                 "saes": {sae_id: sae.model_dump() for sae_id, sae in self.saes.items()},
+                "tuned_lens": self.tuned_lens,
+                "probes": {name: probe.model_dump() for name, probe in self.probes.items()},
                 "arena_max_bytes": self.arena_max_bytes,
                 "arena_reserve_bytes": self.arena_reserve_bytes if self.arena_reserve_bytes is not None
                 else DEFAULT_ARENA_RESERVE_BYTES["cpu" if on_cpu else "gpu"],

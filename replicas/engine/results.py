@@ -18,6 +18,7 @@ from replicas.api import arrays
 from replicas.api import CaptureSpec, GenerateResult, ModelInfo
 from replicas.engine.attention import finish_capture
 from replicas.plans.request import reduced_on_replica
+from replicas.readouts.specs import readout_results
 from replicas.sae.specs import sae_results
 from replicas.engine.tools import ToolTurn, choice
 
@@ -65,16 +66,18 @@ def generation_result(key: str, final: Any, completions: list[Any], turn: ToolTu
 
 
 def add_captured(
-    result: GenerateResult, taken: dict[str, Any], finish: Finish, info: ModelInfo, read: Callable[[dict[str, Any]], np.ndarray]
+    result: GenerateResult, taken: dict[str, Any], finish: Finish, info: ModelInfo, read: Callable[[dict[str, Any]], np.ndarray],
+    texts: Callable[[list[int]], list[str]] | None = None,
 ) -> None:
     """The worker's rows of the request (`taken`, without error) into `result`; `read` turns a
-    stored array's description into its array."""
+    stored array's description into its array, `texts` token ids into their strings."""
     sequence = result.prompt_token_ids + result.token_ids
     # The engine core may have run steps past what the caller gets back (a stop string is
     # matched in the front end after the core ran on): keep the rows of fed tokens only.
     fed = len(sequence) - 1
     kept = bisect.bisect_left(taken["positions"], fed)
     result.sae = sae_results(taken.get("sae") or [], fed)
+    result.readouts = readout_results(taken.get("readouts") or [], fed, texts)
     activations = {name: finish.rows(read(raw), kept) for name, raw in taken["activations"].items()}
     if finish.capture is not None:
         result.activations, result.positions = finish_capture(

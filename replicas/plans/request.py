@@ -18,6 +18,7 @@ from replicas.api import arrays
 from replicas.api import CaptureSpec, GenerateRequest, MoeInfo, Positions
 from replicas.api.errors import PlanError
 from replicas.plans.heads import HeadShapes, captured_sites, head_edit, hook_width, key_positions
+from replicas.plans.readouts import ReadoutPlan
 from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS, HookPoint, resolve_hook
 
 PLAN_KEY = "capserve"
@@ -177,14 +178,16 @@ def build_wire_plan(
     saes: Any = None,
     moe: MoeInfo | None = None,
     same_kinds: Mapping[str, str] | None = None,
+    readouts: Any = None,
 ) -> WirePlan | None:
     """Validate everything that depends on the model and the prompt; None when nothing is asked.
     `d_vocab` is needed for requests that ask for logits; `max_set_edits` None: no limit;
     `head_shapes` for the attention hooks; `saes` (a `replicas.sae.specs.SaeCatalog`) for SAE
     features; `moe` for the router hooks of a mixture-of-experts model; `same_kinds` maps a kind to
-    the kind whose site serves its value in this block shape (replicas.engine.architectures)."""
+    the kind whose site serves its value in this block shape (replicas.engine.architectures);
+    `readouts` (a `replicas.readouts.specs.ReadoutCatalog`) for lenses and probes."""
     capture, logits = request.capture, request.logits
-    if capture is None and logits is None and not request.interventions and not request.sae:
+    if capture is None and logits is None and not request.interventions and not request.sae and not request.readouts:
         return None
     plan: WirePlan = {"key": key, "prompt_len": prompt_len}
     absent = absent_kinds or {}
@@ -236,6 +239,14 @@ def build_wire_plan(
         if saes is None or not saes.facts:
             raise PlanError("sae: this replica loaded no SAEs (engine option saes)")
         plan["sae"] = saes.wire(request, prompt_len, d_model, parts)
+    if request.readouts:
+        if readouts is None or d_vocab is None:
+            raise ValueError("build_wire_plan: a request for readouts needs the replica's ReadoutCatalog and d_vocab")
+
+        def armed(field_name: str, name: str) -> HookPoint:
+            return _armed_point(field_name, name, n_layers, armed_kinds, absent=absent, moe=moe, same=same)
+
+        plan["readouts"] = readouts.wire(request, prompt_len, n_layers, d_vocab, parts, armed)
     check_bytes(parts, request.n, max_capture_bytes)
     plan["edits"] = _wire_edits(request, prompt_len, n_layers, d_model, steer_kinds, steer_layers, edit_stages, absent,
                                 head_shapes, moe, same)
@@ -443,6 +454,7 @@ class RequestPlan:
     logits_rows: int = 0
     edits: list[EditPlan] = field(default_factory=list)
     sae: list[SaePlan] = field(default_factory=list)
+    readouts: list[ReadoutPlan] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, wire: WirePlan) -> "RequestPlan":
@@ -463,6 +475,7 @@ class RequestPlan:
             logits_rows=0 if logits is None else int(logits["max_rows"]),
             edits=[_edit_from_wire(e) for e in wire.get("edits", [])],
             sae=[SaePlan.from_wire(s) for s in wire.get("sae", [])],
+            readouts=[ReadoutPlan.from_wire(r) for r in wire.get("readouts", [])],
         )
 
 

@@ -16,7 +16,7 @@ it skips the selection (`replicas.worker.steady_decode`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from replicas.plans.request import (
     selected_spans,
 )
 from replicas.worker.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
+from replicas.readouts.device import DeviceReadouts, lens_row_bytes, probe_row_bytes
 from replicas.sae.device import DeviceSae, encode_packed, packed_width, row_bytes
 from replicas.worker.sites import Site, stacked_rows, to_device
 from replicas.worker.steady_decode import SteadyDecode, decode_key
@@ -53,7 +54,8 @@ class Selection:
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
-    targets: tuple[list[int], int] | None = None  # SAE rows: (request i's SAE spec, k_max of the block)
+    # SAE and read-out rows: (the index of request i's spec in its plan, the block's k_max or width)
+    targets: tuple[list[int], int] | None = None
 
     def subset(self, keep: np.ndarray) -> Selection:
         """The rows of the requests where keep is True."""
@@ -76,6 +78,7 @@ class Collector:
         max_step_bytes: int = MAX_STEP_BYTES,
         saes: dict[str, DeviceSae] | None = None,
         arena_graphs: bool = True,
+        readouts: DeviceReadouts | None = None,
     ):
         self.runner = runner
         self.sites = sites
@@ -96,6 +99,7 @@ class Collector:
         self.arena_graphs = ArenaGraphs(writer, device) if arena_graphs and on_gpu else None
         self.saes = saes or {}
         self.sae_sites = {sites[sae.site] for sae in self.saes.values()}
+        self.readouts = readouts
         self.rows_captured = 0
         self.steady_steps = 0  # steps collected as a SteadyDecode
         self.steady: SteadyDecode | None = None  # the previous step's, while decode steps repeat it
@@ -131,14 +135,17 @@ class Collector:
             self.group_sites[group] = self._group_signatures[group] = None
             self._free_groups.append(group)
 
-    def captured_sites(self, batch: Batch, columns: Columns) -> set[Site]:
+    def captured_sites(self, batch: Batch, requests: RequestTable) -> set[Site]:
         """The sites whose staging buffers some request of the step reads."""
+        columns = requests.columns
         groups = np.unique(columns["group"][batch.rows])
         sites = {site for g in groups.tolist() if g >= 0 for site in self.group_sites[g][0]}
         if (columns["logits"][batch.rows] != NO_LOGITS).any():
             sites.add(self.final_norm)
         if (columns["sae"][batch.rows] > 0).any():
             sites.update(self.sae_sites)
+        for row in batch.rows[columns["readouts"][batch.rows] > 0].tolist():
+            sites.update(self.sites[readout.site] for readout in requests.entry_at[row].plan.readouts)
         return sites
 
     def collect(self, batch: Batch, requests: RequestTable) -> None:
@@ -185,8 +192,8 @@ class Collector:
         columns = requests.columns
         group = columns["group"][batch.rows]
         logits_mode = columns["logits"][batch.rows]
-        sae = columns["sae"][batch.rows]
-        k = np.flatnonzero((group >= 0) | (logits_mode != NO_LOGITS) | (sae > 0))
+        sae, readouts = columns["sae"][batch.rows], columns["readouts"][batch.rows]
+        k = np.flatnonzero((group >= 0) | (logits_mode != NO_LOGITS) | (sae > 0) | (readouts > 0))
         if not len(k):
             return
         rows = batch.rows[k]
@@ -209,6 +216,9 @@ class Collector:
         picked = sae[k] > 0
         if picked.any():
             self._hand_over_sae(requests, [c[picked] for c in chunks])
+        picked = readouts[k] > 0
+        if picked.any():
+            self._hand_over_readouts(requests, [c[picked] for c in chunks])
 
     def _select(self, requests: RequestTable, chunks: list[np.ndarray], modes: np.ndarray, what: str) -> Selection | None:
         """The rows a set of requests selects in this step: position modes for all at once,
@@ -405,31 +415,45 @@ class Collector:
         buffers = [entry.buffers for entry in selection.requests]
         self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.targets))
 
-    def _hand_over_sae(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
-        """SAE features of the step's rows: per SAE, one gather, encode and top-k on the device
-        for every request that asked it, and one [1, rows, packed] int32 block to host."""
-        by_sae: dict[str, list[tuple[Entry, int, np.ndarray]]] = {}
+    def _spec_groups(
+        self, requests: RequestTable, chunks: list[np.ndarray], specs_of: Callable[[Entry], list[Any]],
+        key: Callable[[Any], Hashable], width: Callable[[list[Any]], int],
+    ) -> list[tuple[list[Any], Selection]]:
+        """The step's rows of SAE or read-out specs (`specs_of` a request's), in groups of specs
+        that one device computation serves (`key`): the group's specs, and a Selection whose
+        targets are each member's spec index and the group's `width`. Counts the rows as taken."""
+        members: dict[Hashable, list[tuple[Entry, int, Any, np.ndarray]]] = {}
         for handle, first, start, count, prompt_len, fresh in zip(*(c.tolist() for c in chunks)):
             entry = requests.entry_at[handle]
-            for j, spec in enumerate(entry.plan.sae):
+            for j, spec in enumerate(specs_of(entry)):
                 offsets = selected_offsets(spec.positions, start, count, prompt_len)
                 offsets = offsets[offsets >= fresh]
                 if len(offsets):
-                    by_sae.setdefault(spec.sae_id, []).append((entry, j, first + offsets))
-        for sae_id, members in by_sae.items():
-            sae = self.saes[sae_id]
-            specs = [entry.plan.sae[j] for entry, j, _ in members]
-            counts = np.array([len(rows) for _, _, rows in members], np.int64)
+                    members.setdefault(key(spec), []).append((entry, j, spec, first + offsets))
+        groups = []
+        for group in members.values():
+            specs = [spec for _, _, spec, _ in group]
+            counts = np.array([len(rows) for *_, rows in group], np.int64)
             dests = np.array([spec.taken for spec in specs], np.int64)
             for spec, n in zip(specs, counts.tolist()):
                 spec.taken += n
-            k_max = max(spec.top_k for spec in specs)
+            selection = Selection(
+                [entry for entry, *_ in group], np.concatenate([rows for *_, rows in group]),
+                np.cumsum(counts) - counts, counts, dests, targets=([j for _, j, _, _ in group], width(specs)),
+            )
+            groups.append((specs, selection))
+        return groups
+
+    def _hand_over_sae(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
+        """SAE features of the step's rows: per SAE, one gather, encode and top-k on the device
+        for every request that asked it, and one [1, rows, packed] int32 block to host."""
+        groups = self._spec_groups(requests, chunks, lambda entry: entry.plan.sae, lambda spec: spec.sae_id,
+                                   lambda specs: max(spec.top_k for spec in specs))
+        for specs, selection in groups:
+            sae = self.saes[specs[0].sae_id]
+            k_max = selection.targets[1]
             errors = {spec.error for spec in specs}
             error = "vector" if "vector" in errors else "norm" if "norm" in errors else "none"
-            selection = Selection(
-                [entry for entry, _, _ in members], np.concatenate([rows for _, _, rows in members]),
-                np.cumsum(counts) - counts, counts, dests, targets=([j for _, j, _ in members], k_max),
-            )
             staging = self.sites[sae.site].staging
             d_model = staging.shape[1]
             step_rows = self._to_device(selection.rows)
@@ -440,6 +464,34 @@ class Collector:
 
             self._hand_over_chunked("sae", selection, (1, len(selection.rows), width), torch.int32,
                                     row_bytes(sae, d_model), packed)
+
+    def _hand_over_readouts(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
+        """Lenses and probes of the step's rows: per group (a lens at one site and translator, a
+        probe), one gather and computation on the device for every request that asked it, and one
+        [1, rows, width] block to host: a lens's int32 [ids | logprobs], a probe's float32 values."""
+        groups = self._spec_groups(requests, chunks, lambda entry: entry.plan.readouts, lambda spec: spec.group,
+                                   lambda specs: max(spec.width for spec in specs))
+        for specs, selection in groups:
+            plan, width = specs[0], selection.targets[1]
+            staging = self.sites[plan.site].staging
+            rows = self._to_device(selection.rows)
+            if plan.kind == "probe":
+                shape, dtype = (1, len(rows), width), torch.float32
+                per_row = probe_row_bytes(staging.shape[1], width)
+
+                def computed(lo: int, hi: int) -> torch.Tensor:  # called within this iteration, as are the others
+                    return self.readouts.probe(plan.probe, staging.index_select(0, rows[lo:hi])).unsqueeze(0)
+            else:
+                shape, dtype = (1, len(rows), 2 * width), torch.int32
+                per_row = lens_row_bytes(staging.shape[1], self.vocab_size, staging.element_size())
+                normed = plan.site[1] == "ln_final"
+
+                def computed(lo: int, hi: int) -> torch.Tensor:
+                    return self.readouts.lens(staging.index_select(0, rows[lo:hi]), plan.translator, normed, width).unsqueeze(0)
+            try:
+                self._hand_over_chunked("readout", selection, shape, dtype, per_row, computed)
+            except RuntimeError as exc:  # e.g. out of device memory: these requests fail, the engine goes on
+                fail_all([entry.buffers for entry in selection.requests], f"read-out failed on the device: {exc}")
 
 
 def _row_shape(sites: list[Site], dtype: str) -> tuple[int, torch.dtype, int]:

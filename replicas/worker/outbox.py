@@ -47,6 +47,7 @@ from replicas.arena.host import (
 from replicas.worker.arena_writer import ArenaWriter, CudaHostMemory
 from replicas.api.errors import OUTBOX_DEAD, OUTBOX_STUCK
 from replicas.plans.request import RequestPlan, captured_positions
+from replicas.readouts.specs import ReadoutRows
 from replicas.sae.specs import SaeRows
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class RequestBuffers:
     sites: np.ndarray | None = None  # [hooks, max_rows, d] (float32 sums [hooks, 1, d] for reduce=mean); None in the arena
     logits: np.ndarray | None = None  # [max_rows, vocab] float32
     sae: list[SaeRows] = field(default_factory=list)  # one per SAE spec of the plan
+    readouts: list[ReadoutRows] = field(default_factory=list)  # one per read-out of the plan
     row_shape: tuple[int, str] = (0, "float32")  # (d, dtype) of a captured row
     rows_per_block: int = 0  # > 0: rows live in the arena, this many per block
     blocks_per_hook: int = 0  # in the arena: the blocks each hook's rows take
@@ -96,6 +98,7 @@ class RequestBuffers:
     def for_plan(cls, plan: RequestPlan, d_model: int, vocab: int, arena: ArenaLayout | None) -> RequestBuffers:
         buffers = cls(plan)
         buffers.sae = [SaeRows.for_plan(spec, d_model) for spec in plan.sae]
+        buffers.readouts = [ReadoutRows.for_plan(readout) for readout in plan.readouts]
         capture = plan.capture
         if capture is not None:
             dtype = arrays.DTYPES[capture.dtype]
@@ -195,6 +198,7 @@ class RequestBuffers:
             "logits": encode("logits", self.logits[: self.n_logits]) if self.n_logits else None,
             "logits_positions": captured_positions(plan.logits_positions, plan.prompt_len, self.n_logits) if self.n_logits else [],
             "sae": [rows.result(plan.prompt_len) for rows in self.sae],
+            "readouts": [rows.result(plan.prompt_len) for rows in self.readouts],
             "error": None,
         }
 
@@ -204,14 +208,14 @@ class StepRows:
     """One step's rows for one group of requests: `tensor` is [hooks, rows, d] on the host (its
     copy done when `event` is); request i owns rows offsets[i]:offsets[i]+counts[i]."""
 
-    kind: str  # "rows", "logits" or "sae"
+    kind: str  # "rows", "logits", "sae" or "readout"
     tensor: torch.Tensor
     event: Any  # torch.cuda.Event, or None when the tensor is ready
     requests: list[RequestBuffers]
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
-    targets: tuple[list[int], int] | None = None  # kind "sae": (request i's SAE spec, k_max of the block)
+    targets: tuple[list[int], int] | None = None  # kinds "sae", "readout": (request i's spec, the block's k_max or width)
 
     @property
     def nbytes(self) -> int:
@@ -230,6 +234,8 @@ class StepRows:
                     buffers.add_logits(data, lo, n, dest)
                 elif self.kind == "sae":
                     buffers.sae[self.targets[0][member]].add(data[0], self.targets[1], lo, n, dest)
+                elif self.kind == "readout":
+                    buffers.readouts[self.targets[0][member]].add(data[0], self.targets[1], lo, n, dest)
                 else:
                     buffers.add_rows(data, member, lo, n, dest)
             except Exception as exc:  # a bookkeeping bug must fail this request, not the worker

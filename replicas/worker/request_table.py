@@ -115,7 +115,8 @@ class RequestTable:
         self.columns = Columns()
         for name, neutral in (
             ("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0),
-            ("rows_taken", 0), ("logits_taken", 0), ("sae", 0),  # rows handed over so far, where the next ones go
+            ("rows_taken", 0), ("logits_taken", 0),  # rows handed over so far, where the next ones go
+            ("sae", 0), ("readouts", 0),  # SAE specs and read-outs it asks
         ):
             self.columns.add(name, neutral)
         self.handle_of: dict[str, int] = {}  # vLLM request id -> handle (or UNPLANNED)
@@ -172,6 +173,7 @@ class RequestTable:
         if plan.logits_positions is not None:
             columns["logits"][handle] = mode_code(plan.logits_positions)
         columns["sae"][handle] = len(plan.sae)  # SAE specs it asks (replicas.sae.specs)
+        columns["readouts"][handle] = len(plan.readouts)  # lenses and probes (replicas.readouts.specs)
         return entry
 
     def fail(self, entry: Entry, error: str, replica_fault: str = "") -> None:

@@ -52,12 +52,12 @@ class SteadyDecode:
 
 def decode_key(batch: Batch, columns: Columns, arena: bool) -> tuple[bytes, np.ndarray] | None:
     """What a `SteadyDecode` step is known by, and the places of the requests whose row it
-    captures; None for any other step: a prefill chunk, SAE features, logits of generated
+    captures; None for any other step: a prefill chunk, SAE features or read-outs, logits of generated
     positions, positions other than "all" and "generated" (a decode row is a generated one:
     "prompt" and "last_prompt" select none, explicit indices may), two capture groups, rows
     recorded before (a request recomputed after preemption), rows to capture without an arena."""
     rows = batch.rows
-    if not batch.step.one_token_each or (columns["sae"][rows] > 0).any():
+    if not batch.step.one_token_each or (columns["sae"][rows] > 0).any() or (columns["readouts"][rows] > 0).any():
         return None
     group, modes, logits = columns["group"][rows], columns["positions"][rows], columns["logits"][rows]
     if np.isin(logits, (NO_LOGITS, *PROMPT_ONLY), invert=True).any():

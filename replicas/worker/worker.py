@@ -40,6 +40,7 @@ from replicas.worker.outbox import TIMEOUT_S as OUTBOX_TIMEOUT_S
 from replicas.worker.outbox import DEAD, Outbox, RequestBuffers
 from replicas.plans.request import PLAN_KEY
 from replicas.worker.request_table import UNPLANNED, Batch, Entry, RequestTable
+from replicas.readouts.device import DeviceReadouts, Unembed
 from replicas.sae.device import load_saes
 from replicas.worker.diagnostics.step_profile import StepProfiler
 
@@ -71,6 +72,7 @@ class _CaptureState:
             max_step_bytes=int(options.get("max_step_temp_bytes", MAX_STEP_BYTES)),
             arena_graphs=bool(options.get("arena_graphs", True)),
             saes=load_saes(options.get("saes"), self.device),  # SAE weights on the device (replicas.sae.device)
+            readouts=DeviceReadouts.load(options, self._unembed(), self.device, model_dtype),  # lenses, probes
         )
         # results of the latest take RPC, kept until the next one says whether the replica got them
         self.delivered: dict[int, dict[str, list[dict[str, Any]]]] = {}
@@ -86,6 +88,11 @@ class _CaptureState:
         self.forward_times = ForwardTimes(on_gpu=self.device.type == "cuda") if options.get("forward_timing") else None
         self.switches = context_switches(options.get("switch_context_every_s"), self.device)
         _vllm.wrap_model_forward(runner, self.before_step, self.after_step)
+
+    def _unembed(self) -> Unembed:
+        """The model's head for the lenses (replicas.readouts.device)."""
+        layout, runner, vocab = self.layout, self.runner, self.layout.vocab_size
+        return Unembed(norm=lambda x: _vllm.final_norm(layout, x), logits=lambda x: _vllm.compute_logits(runner, x, vocab))
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
@@ -126,7 +133,7 @@ class _CaptureState:
         batch = self._batch = self.table.batch(step, self._batch, self._admit)
         edited = self.edits.prepare(batch, self.table)
         if self.eager:  # compiled graphs never read these flags; eager mode skips idle sites
-            captured = self.collector.captured_sites(batch, self.table.columns)
+            captured = self.collector.captured_sites(batch, self.table)
             for site in self.sites.values():
                 site.run_capture = site in captured
                 site.run_edits = site in edited
@@ -149,7 +156,7 @@ class _CaptureState:
         plan = self.table.plan(req_id, _vllm.request_extra_args(self.runner, req_id).get(PLAN_KEY))
         if plan is None:
             return UNPLANNED
-        returns_data = plan.capture is not None or plan.logits_positions is not None or bool(plan.sae)
+        returns_data = plan.capture is not None or plan.logits_positions is not None or bool(plan.sae) or bool(plan.readouts)
         buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size, self.outbox.arena_layout) if returns_data else None
         group = -1 if plan.capture is None else self.collector.group(plan.capture)
         entry = self.table.admit(req_id, plan, buffers, group)
