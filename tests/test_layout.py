@@ -24,6 +24,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "replicas/arena": ("replicas.api", "replicas.arena"),
     "replicas/sae": ("replicas.api", "replicas.plans", "replicas.sae"),
     "replicas/readouts": ("replicas.api", "replicas.plans", "replicas.readouts"),
+    "replicas/readouts": ("replicas.api", "replicas.plans", "replicas.readouts"),
     "replicas/shards": ("replicas.api", "replicas.arena", "replicas.shards"),
     # vLLM's worker process: never the replica's engine, the deployment or the Serve layer; of the
     # engine package only the options it was started with
