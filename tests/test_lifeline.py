@@ -56,6 +56,22 @@ def test_an_owner_is_matched_by_pid_and_start_time():
     assert not Owner(dead_pid(), time.time()).alive()
 
 
+def test_an_owner_outlives_a_step_of_the_wall_clock(tmp_path, monkeypatch):
+    """NTP or an admin stepping the clock moves the boot time the kernel derives from it (btime in
+    /proc/stat, which psutil adds to a process's start ticks): a live owner must still match, and a
+    sweep must leave its folder alone."""
+    import psutil._pslinux
+
+    folder = tmp_path / f"{SPILL_PREFIX}live"
+    folder.mkdir()
+    Owner.current().write(str(folder))
+    booted, now = psutil._pslinux.boot_time(), time.time
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 3600)  # the clock stepped an hour ahead
+    monkeypatch.setattr(time, "time", lambda: now() + 3600)
+    assert Owner.read(folder) == Owner.current() and Owner.read(folder).alive()
+    assert sweep_stale_spill_dirs(str(tmp_path)) == [] and (folder / OWNER_FILE).exists()
+
+
 def test_the_lineage_runs_from_this_process_up_to_the_owner():
     child = subprocess.run(
         [sys.executable, "-c", "import json, sys; from replicas.arena.lifeline import Owner, engine_lineage;"

@@ -37,25 +37,29 @@ SWEEP_PERIOD_S = 10.0
 
 @dataclass(frozen=True)
 class Owner:
-    """A process, by pid and start time: a pid the OS reuses for another process does not match."""
+    """A process, by pid and start time: a pid the OS reuses for another process does not match.
+
+    The start time is the kernel's own, in clock ticks since boot (/proc/<pid>/stat, field 22). A
+    wall-clock time (psutil's `create_time()` adds the boot time, which the kernel derives from
+    the wall clock) moves when NTP or an admin steps the clock, and then every live owner looks
+    like a reused pid: its engine's shared memory would be swept under it."""
 
     pid: int
-    started: float
+    started: int  # clock ticks since boot
 
     @classmethod
     def of(cls, pid: int) -> "Owner":
-        return cls(pid, psutil.Process(pid).create_time())
+        started = _start_ticks(pid)
+        if started is None:
+            raise ProcessLookupError(f"no process {pid}")
+        return cls(pid, started)
 
     @classmethod
     def current(cls) -> "Owner":
         return cls.of(os.getpid())
 
     def alive(self) -> bool:
-        try:
-            process = psutil.Process(self.pid)
-            return abs(process.create_time() - self.started) < 0.05 and process.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+        return _start_ticks(self.pid) == self.started
 
     def write(self, folder: str) -> None:
         Path(folder, OWNER_FILE).write_text(json.dumps(asdict(self)))
@@ -64,9 +68,21 @@ class Owner:
     def read(cls, folder: str | Path) -> "Owner | None":
         try:
             fields = json.loads(Path(folder, OWNER_FILE).read_text())
-            return cls(int(fields["pid"]), float(fields["started"]))
+            return cls(int(fields["pid"]), int(fields["started"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When a live process started, in clock ticks since boot; None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # the command name (field 2) may hold spaces and parentheses: count fields after its last ")"
+    fields = stat[stat.rindex(")") + 2:].split()
+    state, started = fields[0], fields[19]  # fields 3 and 22
+    return None if state in ("Z", "X") else int(started)
 
 
 class Progress:
@@ -98,7 +114,7 @@ def engine_lineage(owner: Owner) -> list[Owner]:
     process), nearest first. Read while the owner is alive: afterwards the parents are gone."""
     lineage, process = [], psutil.Process()
     while process is not None and process.pid != owner.pid:
-        lineage.append(Owner(process.pid, process.create_time()))
+        lineage.append(Owner.of(process.pid))
         process = process.parent()
     if process is None:
         raise RuntimeError(f"process {os.getpid()} does not descend from its replica (pid {owner.pid})")
@@ -167,17 +183,17 @@ def sweep_stale_spill_dirs(parent: str) -> list[str]:
 
 def engine_processes(core_pids: list[int]) -> list[dict[str, Any]]:
     """The engine cores (by the pids vLLM started them with: process names are cut to 15
-    characters) and every process under them, each with its start time."""
+    characters) and every process under them, each with its `Owner` fields (pid, start ticks)."""
     processes = []
     for pid in core_pids:
         try:
             core = psutil.Process(pid)
             processes.append(_described(core, "engine_core"))
             processes += [_described(child, "engine_child") for child in core.children(recursive=True)]
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, ProcessLookupError):  # gone while we looked
             continue
     return processes
 
 
 def _described(process: psutil.Process, role: str) -> dict[str, Any]:
-    return {"pid": process.pid, "started": process.create_time(), "role": role, "name": process.name()}
+    return {**asdict(Owner.of(process.pid)), "role": role, "name": process.name()}
