@@ -98,6 +98,52 @@ def test_sweep_removes_the_folders_of_gone_owners_only(tmp_path):
     assert not gone.exists() and alive.exists() and unowned.exists() and (tmp_path / "other" / OWNER_FILE).exists()
 
 
+# A replica in another container: its own PID namespace, the same /dev/shm. It writes its folder's
+# owner, says so, and lives until its stdin closes.
+CONTAINED = """
+import sys
+from replicas.arena.lifeline import Owner
+Owner.current().write(sys.argv[1])
+print("written", flush=True)
+sys.stdin.read()
+"""
+
+
+def unshare_pid_namespace() -> list[str]:
+    """`unshare` into a new PID namespace (as its own user namespace's root), or skip."""
+    command = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    try:
+        subprocess.run([*command, "true"], check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("unshare cannot make a PID namespace here")
+    return command
+
+
+def test_sweep_leaves_the_folders_of_another_pid_namespace_alone(tmp_path):
+    folder = tmp_path / f"{SPILL_PREFIX}contained"
+    folder.mkdir()
+    container = subprocess.Popen(
+        [*unshare_pid_namespace(), sys.executable, "-c", CONTAINED, str(folder)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    try:
+        assert container.stdout.readline().strip() == "written"
+        assert sweep_stale_spill_dirs(str(tmp_path)) == [] and (folder / OWNER_FILE).exists()
+        owner = Owner.read(folder)
+        assert owner.pid != container.pid  # its number in its own namespace (1): here, some other process or none
+        assert owner.foreign() and owner.pid_ns != Owner.current().pid_ns and owner.boot_id == Owner.current().boot_id
+    finally:
+        container.stdin.close()
+        container.wait(timeout=30)
+    assert sweep_stale_spill_dirs(str(tmp_path)) == [] and folder.exists()  # gone or not: not this namespace's to judge
+
+    earlier = tmp_path / f"{SPILL_PREFIX}earlier-boot"
+    earlier.mkdir()
+    Owner(os.getpid(), Owner.current().started, boot_id="an-earlier-boot").write(str(earlier))
+    assert sweep_stale_spill_dirs(str(tmp_path)) == [str(earlier)]  # every process of an earlier boot is gone
+
+
 class FakeLLM:
     """What CaptureEngine.check_health reads of vLLM's AsyncLLM: its error state and its engine processes."""
 

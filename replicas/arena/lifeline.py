@@ -10,6 +10,9 @@ replica's shared-memory folder and kills the engine processes between itself and
 
 Each engine's shared-memory folder names its owner (`owner.json`), so a replica starting on the
 node also sweeps the folders of owners that are gone (an engine killed before its watchdog ran).
+A pid means something only in its PID namespace: where /dev/shm is shared between containers, a
+sweeper judges only the folders of owners in its own namespace (and removes those of an earlier
+boot, whose processes are all gone); another container's folders are its own sweeper's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,18 @@ WATCH_PERIOD_S = 1.0
 SWEEP_PERIOD_S = 10.0
 
 
+@cache  # a process never changes PID namespace (unshare and setns move its children)
+def current_pid_namespace() -> int:
+    """This process's PID namespace, by the inode of its /proc/self/ns/pid link."""
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+@cache
+def current_boot_id() -> str:
+    """The kernel's id of this boot: the same in every container of the host."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
 @dataclass(frozen=True)
 class Owner:
     """A process, by pid and start time: a pid the OS reuses for another process does not match.
@@ -46,6 +62,8 @@ class Owner:
 
     pid: int
     started: int  # clock ticks since boot
+    pid_ns: int = field(default_factory=current_pid_namespace)  # where `pid` is this process's number
+    boot_id: str = field(default_factory=current_boot_id)
 
     @classmethod
     def of(cls, pid: int) -> "Owner":
@@ -58,8 +76,14 @@ class Owner:
     def current(cls) -> "Owner":
         return cls.of(os.getpid())
 
+    def foreign(self) -> bool:
+        """Whether this owner is another PID namespace's process (a container sharing /dev/shm):
+        its pid names some other process here, or none, so nothing here can tell if it lives."""
+        return self.boot_id == current_boot_id() and self.pid_ns != current_pid_namespace()
+
     def alive(self) -> bool:
-        return _start_ticks(self.pid) == self.started
+        """Whether the process runs; False for one of an earlier boot. Meaningless when `foreign()`."""
+        return self.boot_id == current_boot_id() and self.pid_ns == current_pid_namespace() and _start_ticks(self.pid) == self.started
 
     def write(self, folder: str) -> None:
         Path(folder, OWNER_FILE).write_text(json.dumps(asdict(self)))
@@ -68,7 +92,7 @@ class Owner:
     def read(cls, folder: str | Path) -> "Owner | None":
         try:
             fields = json.loads(Path(folder, OWNER_FILE).read_text())
-            return cls(int(fields["pid"]), int(fields["started"]))
+            return cls(int(fields["pid"]), int(fields["started"]), int(fields["pid_ns"]), str(fields["boot_id"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -169,11 +193,12 @@ class Sweeper:
 
 
 def sweep_stale_spill_dirs(parent: str) -> list[str]:
-    """Remove the shared-memory folders of engines whose replica is gone; returns what it removed."""
+    """Remove the shared-memory folders of engines whose replica is gone; returns what it removed.
+    Folders of another PID namespace's replicas are left to that namespace's sweeper."""
     removed = []
     for folder in Path(parent).glob(SPILL_PREFIX + "*"):
         owner = Owner.read(folder)
-        if folder.is_dir() and owner is not None and not owner.alive():
+        if folder.is_dir() and owner is not None and not owner.foreign() and not owner.alive():
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(str(folder))
     if removed:
