@@ -327,9 +327,8 @@ def sse(data: dict[str, Any] | str) -> str:
 # ---------------------------------------------------------------- errors
 
 
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error",
-                504: "timeout_error", 500: "server_error"}
+# OpenAI's error types by status; every other 4xx is invalid_request_error, every 5xx server_error
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
 CONTEXT_MARKERS = ("exceed the model's max_model_len", "leaves no room for a prompt in the model's max_model_len")
 
 
@@ -363,7 +362,7 @@ def openai_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str
         message, code = f"This model's maximum context length is exceeded: {message}", "context_length_exceeded"
     if param is None and status == 400:
         param = _leading_field(message)
-    kind = cause.kind if isinstance(cause, HttpError) else OPENAI_TYPES.get(status, "invalid_request_error")
+    kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     error = {"message": message, "type": kind, "param": param,
              "code": code if code is not None else status}
     return status, {"error": error}, headers

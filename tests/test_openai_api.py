@@ -13,6 +13,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from deploy.capture_store import CaptureGone, CaptureStore, CaptureTooLarge
 from deploy.config import AppArgs, router_config
+from deploy.http_parts import HttpError
 from deploy.openai_responses import ChatStream, CompletionStream, capserve_field, chat_completion, completion, openai_error
 from deploy.openai_translate import OpenAIRequestError, translate_chat, translate_completion, translate_tokenize
 from replicas.api import arrays
@@ -318,6 +319,22 @@ def test_errors_are_openai_shaped_with_the_right_status(exc, status, code):
         assert body["error"]["param"] == "capture.hooks[0]"
     if code == "context_length_exceeded":
         assert "maximum context length" in body["error"]["message"]  # what inspect's vllm provider looks for
+
+
+@pytest.mark.parametrize("exc, status, kind", [
+    (HttpError(401, "unauthorized", "missing or wrong bearer token"), 401, "authentication_error"),
+    (HttpError(413, "too_large", "request body exceeds max_request_bytes=10"), 413, "invalid_request_error"),
+    (HttpError(400, "bad_json", "request body is not valid JSON"), 400, "invalid_request_error"),
+    (OpenAIRequestError("The model `gpt-5` does not exist", "model", 404, "model_not_found"), 404, "not_found_error"),
+    (InvalidRequestError("seed: too large"), 400, "invalid_request_error"),
+    (BackPressureError("the router's queue is full"), 429, "rate_limit_error"),
+    (ReplicaUnavailableError("all died"), 503, "server_error"),
+    (DeadlineExceededError("no result within routing.request_timeout_s=1 s"), 504, "server_error"),
+    (RuntimeError("boom"), 500, "server_error"),
+])
+def test_error_types_are_openais_whatever_raised_them(exc, status, kind):
+    got, body, _ = openai_error(exc)
+    assert (got, body["error"]["type"]) == (status, kind)
 
 
 # ---------------------------------------------------------------- the capture store
