@@ -94,6 +94,22 @@ def test_bad_interventions_name_the_problem(edit, message):
         Intervention.model_validate(edit)
 
 
+def test_a_seed_past_a_signed_64_bit_integer_is_refused_naming_the_field():
+    """vLLM's engine cannot take such a seed (its server refuses it too): it failed the request as a 500."""
+    from deploy.openai_translate import OpenAIRequestError, translate_chat
+    from replicas.api.errors import InvalidRequestError
+    from replicas.api.validation import validated
+
+    for seed in (2**63 - 1, -(2**63), 0):
+        assert validated({"prompt": "x", "seed": seed}).seed == seed
+    for seed in (2**63, -(2**63) - 1, 2**70):
+        with pytest.raises(InvalidRequestError, match=r"seed: Input should be (less|greater) than or equal to"):
+            validated({"prompt": "x", "seed": seed})
+    with pytest.raises(OpenAIRequestError, match="seed: Input should be less than or equal to 9223372036854775807") as refused:
+        translate_chat({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, ["m"], 512)
+    assert refused.value.param == "seed" and refused.value.status == 400
+
+
 def test_selected_offsets():
     # a chunk of 6 rows at positions 3..8: the end of a 5-token prompt, then generated tokens
     assert selected_offsets("all", 3, 6, 5).tolist() == [0, 1, 2, 3, 4, 5]

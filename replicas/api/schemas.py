@@ -287,7 +287,10 @@ class GenerateRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    seed: int | None = None
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**63 - 1,
+        description="Sampling seed, a signed 64-bit integer (what vLLM's server accepts); None: random.",
+    )
     stop: list[str] | None = None
     n: int = Field(1, ge=1, le=16, description="Completions; captures and edits follow the first.")
     logprobs: int | None = Field(None, ge=0, le=20, description="Top-k logprobs per generated token.")
