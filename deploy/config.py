@@ -121,6 +121,13 @@ class OpenAIOptions(BaseModel):
         description="Most bytes of unread captures the Router keeps (its memory). A new capture evicts the oldest "
         "unread ones to fit (their URLs then answer 404 saying so); one larger than this is refused (413).",
     )
+    keepalive_s: float = Field(
+        15.0,
+        gt=0,
+        description="A stream that has sent nothing for this long sends an SSE comment (': keep-alive'), which "
+        "clients skip, so no proxy or client drops the idle connection: a chat with tools holds its content back "
+        "until the calls are parsed at the end, and a long prompt or a full queue delays the first token.",
+    )
 
     def served_names(self, model: str | None) -> list[str]:
         if isinstance(self.served_model_name, str):

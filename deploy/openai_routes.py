@@ -62,6 +62,7 @@ __all__ = ["OPENAI_PATHS", "OpenAIRoutes", "openai_api", "openai_error_response"
 openai_api = APIRouter()
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"})
 CAPTURES_PATH = "/v1/captures"
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: traffic for proxies and clients, skipped by SSE parsers
 
 
 class OpenAIRoutes:
@@ -162,18 +163,37 @@ class OpenAIRoutes:
                                  headers={"Cache-Control": "no-cache"})
 
     async def _events(self, request: Request, stream: Any, chunks: Any) -> AsyncIterator[str]:
+        """The stream's SSE events. When nothing went out for openai.keepalive_s (a tool call's
+        content is held back to the end; a long prefill) a comment goes out instead."""
         error = None
+        loop = asyncio.get_running_loop()
+        keepalive_s = self._config.openai.keepalive_s
         try:
             for chunk in chunks.opening():
                 yield sse(chunk)
-            async for item in stream:
+            sent_at = loop.time()
+            while True:
+                timer = asyncio.timeout_at(sent_at + keepalive_s)
+                try:
+                    async with timer:
+                        item = await anext(stream)  # RouterStream's queue loses no item to a timeout
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if not timer.expired():
+                        raise
+                    item = None
                 if isinstance(item, StreamEnd):
                     capserve = await self._capserve(request, item.result)
-                    for chunk in chunks.closing(item.result, capserve):
-                        yield sse(chunk)
+                    events = [sse(chunk) for chunk in chunks.closing(item.result, capserve)]
                 else:
-                    for chunk in chunks.delta(item):
-                        yield sse(chunk)
+                    events = [sse(chunk) for chunk in chunks.delta(item)] if item is not None else []
+                if not events and loop.time() >= sent_at + keepalive_s:
+                    events = [KEEPALIVE]
+                for event in events:
+                    yield event
+                if events:
+                    sent_at = loop.time()
         except Exception as exc:  # the status line went out already: an error event, then [DONE]
             error = exc
         finally:

@@ -283,6 +283,31 @@ def test_streams_are_server_sent_events_ending_with_done(served):
     assert chunks[-1]["capserve"]["replica"] in ("a", "b") and HOOK in chunks[-1]["capserve"]["activations"]
 
 
+def test_a_stream_that_sends_nothing_for_keepalive_s_sends_a_comment_the_openai_client_skips(served):
+    """A chat with tools holds its content back until the calls are parsed at the end, so its
+    deltas send nothing; each gap longer than openai.keepalive_s gets a comment instead. (The
+    keepalive timer is due long before the replica's next item: the loop runs it first.)"""
+    from openai._streaming import SSEDecoder
+
+    async def slow(replica: str, request: GenerateRequest):
+        for text, token in (("hel", 5), ("lo 0", 6)):
+            await asyncio.sleep(0.5)
+            yield StreamDelta([ChoiceDelta(0, text, [token])])
+        await asyncio.sleep(0.5)
+        yield StreamEnd(result())
+
+    client, _, _ = served(slow, openai={"keepalive_s": 0.05})
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    response = client.post("/v1/chat/completions", headers=AUTH, json={"messages": USER, "stream": True, "tools": [tool]})
+    events = response.text.split("\n\n")
+    assert response.status_code == 200 and events[:-1].count(": keep-alive") >= 3  # the replica was silent 0.5 s three times
+    data = [e.data for e in SSEDecoder().iter_bytes(iter([response.content]))]
+    assert data[-1] == "[DONE]" and all(json.loads(d)["object"] == "chat.completion.chunk" for d in data[:-1])
+    assert json.loads(data[-2])["choices"][0]["delta"]["content"] == "hello 0"  # held, then sent whole at the end
+    fast, _, _ = served(good)  # tokens every moment: nothing but the chunks
+    assert ": keep-alive" not in fast.post("/v1/chat/completions", headers=AUTH, json={"messages": USER, "stream": True}).text
+
+
 def test_an_error_before_the_first_token_keeps_its_status_and_one_after_it_is_an_event(served):
     async def bad_request(replica, request):
         raise InvalidRequestError("capture.hooks[0]: layer 9 is out of range")
