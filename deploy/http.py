@@ -16,7 +16,9 @@ Router's (`deploy.config.read_api_key`: `api_key_file` or $CAPSERVE_API_KEY).
 
 Order of checks on POST (cheapest first, nothing read that a refusal does not need): bearer key,
 `?format=`, Content-Length against max_request_bytes, a full queue (503 before the body is read),
-then the body is read (bounded), parsed and validated, and only then does a replica see it.
+then the body is read (bounded), parsed and validated, and only then does a replica see it. Bodies
+and results of 1 MiB or more are parsed and encoded on the Router's codec threads
+(`deploy.http_parts.Codec`), so a large one does not hold up the small ones on the event loop.
 
 Arrays in requests are lists of numbers or `{"dtype", "shape", "data": base64}` objects
 (`replicas.api.arrays`). Results are JSON with each activation (and logits) in that base64 form, or,
@@ -43,10 +45,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from replicas.api import GenerateRequest, ModelInfo
+from replicas.api.validation import validated
 
 from deploy.config import RouterConfig, read_api_key
 from deploy.http_parts import (  # re-exported: tests and callers import them from here
     SAFETENSORS_MEDIA,
+    Codec,
     HttpError,
     check_bearer,
     check_declared_size,
@@ -54,6 +58,7 @@ from deploy.http_parts import (  # re-exported: tests and callers import them fr
     error_response,
     logger,
     parse_json_object,
+    payload_bytes,
     read_body,
     result_fields,
     to_safetensors,
@@ -147,6 +152,7 @@ class HttpRouter(OpenAIRoutes, Router):
     def __init__(self, replicas: Any, config: RouterConfig | dict[str, Any] | None = None) -> None:
         super().__init__(replicas, config)
         self._api_key = read_api_key(self._config)  # on the Router's node: api_key_file lives there
+        self._codec = Codec()  # large bodies and results are parsed and encoded off the event loop
         self._start_openai()
 
     @api.post("/v1/generate", openapi_extra=_BODY, responses=_RESULT)
@@ -191,8 +197,8 @@ class HttpRouter(OpenAIRoutes, Router):
             check_declared_size(request, self._config.max_request_bytes)
             self._queue.check()  # full: 503 now, without reading a body that would only wait
             body = await read_body(request, self._config.max_request_bytes)
-            result = await method(parse_json_object(body))
-            return encode_result(result, safetensors)
+            result = await method(await self._codec.run(len(body), parse_request, body))
+            return await self._codec.run(payload_bytes(result), encode_result, result, safetensors)
         except Exception as exc:
             return error_response(exc)
 
@@ -200,6 +206,11 @@ class HttpRouter(OpenAIRoutes, Router):
         if self._api_key is None:
             return
         check_bearer(request.headers.get("authorization"), self._api_key.get_secret_value())
+
+
+def parse_request(body: bytes) -> GenerateRequest:
+    """A body as a validated request (the Router's own validation then has nothing left to do)."""
+    return validated(parse_json_object(body))
 
 
 @api.exception_handler(HttpError)

@@ -1,5 +1,5 @@
 """The HTTP pieces every route shares (unit-tested on their own): the bearer check, body limits,
-JSON parsing, result encodings, and the mapping of errors to status codes.
+JSON parsing, result encodings, the codec threads, and the mapping of errors to status codes.
 
 Kept apart from `deploy.http` (the native routes) so `deploy.openai_routes` can use them without
 an import cycle; `deploy.http` re-exports them under the same names.
@@ -7,10 +7,17 @@ an import cycle; `deploy.http` re-exports them under the same names.
 
 from __future__ import annotations
 
+import asyncio
+import binascii
+import functools
 import hmac
 import json
 import logging
-from typing import Any
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import numpy as np
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +37,29 @@ logger = logging.getLogger("capserve.http")
 
 SAFETENSORS_MEDIA = "application/octet-stream"
 _ARRAY_FIELDS = ("activations", "logits")
+OFF_LOOP_BYTES = 1 << 20  # bodies and results from this size on are parsed and encoded on the codec threads
+CODEC_THREADS = 2  # the work holds the GIL most of the time: more threads would only queue on it
+BASE64_CHUNK = 3 << 20  # array bytes per base64 call; a multiple of 3, so the pieces join into one text
+
+T = TypeVar("T")
+
+
+class Codec:
+    """Parsing bodies and encoding results off the Router's event loop, on a few threads of its
+    own. On the loop, a 64 MiB body or a 256 MiB result held every other request (and the
+    health answers) for a second or more. Small work stays on the loop: a thread hop costs more.
+
+    json.loads holds the GIL for its whole call, so parsing a large body still pauses the loop
+    for most of its length; encoding does not: `json_body` hands the GIL back between chunks."""
+
+    def __init__(self, threads: int = CODEC_THREADS) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="capserve-codec")
+
+    async def run(self, size: int, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)`, on a codec thread when `size` (bytes of body or arrays) is large."""
+        if size < OFF_LOOP_BYTES:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(work, *args))
 
 
 class HttpError(Exception):
@@ -86,13 +116,43 @@ def result_fields(result: GenerateResult) -> dict[str, Any]:
     return json.loads(result.model_dump_json(exclude=set(_ARRAY_FIELDS)))
 
 
+def payload_bytes(result: GenerateResult) -> int:
+    """Bytes of the result's arrays (activations and logits)."""
+    return result.activation_bytes + (result.logits.nbytes if result.logits is not None else 0)
+
+
 def encode_result(result: GenerateResult, safetensors: bool) -> Response:
     if safetensors:
         return Response(to_safetensors(result), media_type=SAFETENSORS_MEDIA)
+    return Response(json_body(result), media_type="application/json")
+
+
+def json_body(result: GenerateResult) -> bytes:
+    """The result as JSON, each array in the base64 wire form (`arrays.to_base64`). Built in
+    pieces: the arrays' base64 is made chunk by chunk (the GIL goes back to the event loop between
+    chunks) and spliced into the JSON of the other fields, which json.dumps never scans."""
+    marker = uuid.uuid4().hex
+    encoded: list[np.ndarray] = []
+
+    def placeholder(array: np.ndarray) -> dict[str, Any]:
+        encoded.append(np.ascontiguousarray(array))
+        return {"dtype": arrays.dtype_name(array), "shape": list(array.shape), "data": f"{marker}{len(encoded) - 1}"}
+
     body = result_fields(result)
-    body["activations"] = {name: arrays.to_base64(a) for name, a in result.activations.items()}
-    body["logits"] = arrays.to_base64(result.logits) if result.logits is not None else None
-    return JSONResponse(body)
+    body["activations"] = {name: placeholder(a) for name, a in result.activations.items()}
+    body["logits"] = placeholder(result.logits) if result.logits is not None else None
+    rest = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    pieces: list[bytes] = []
+    for i, array in enumerate(encoded):
+        head, rest = rest.split(f'"{marker}{i}"', 1)
+        pieces += [head.encode(), b'"', *_base64_pieces(array), b'"']
+    pieces.append(rest.encode())
+    return b"".join(pieces)
+
+
+def _base64_pieces(array: np.ndarray) -> list[bytes]:
+    data = memoryview(array.reshape(-1).view(np.uint8))
+    return [binascii.b2a_base64(data[i:i + BASE64_CHUNK], newline=False) for i in range(0, len(data), BASE64_CHUNK)]
 
 
 def to_safetensors(result: GenerateResult) -> bytes:

@@ -198,10 +198,6 @@ def capserve_field(result: GenerateResult, download: dict[str, Any] | None = Non
     return field
 
 
-def payload_bytes(result: GenerateResult) -> int:
-    return result.activation_bytes + (result.logits.nbytes if result.logits is not None else 0)
-
-
 def model_list(served: list[str], info: ModelInfo, created: int) -> dict[str, Any]:
     cards = [_dump(Model(id=name, object="model", created=created, owned_by="capserve", root=info.model,
                          max_model_len=info.max_model_len)) for name in served]

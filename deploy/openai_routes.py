@@ -34,7 +34,7 @@ from replicas.api.streaming import CallOptions, StreamEnd
 
 from deploy.admission import within
 from deploy.capture_store import CaptureGone, CaptureStore, CaptureTooLarge
-from deploy.http_parts import SAFETENSORS_MEDIA, check_declared_size, parse_json_object, read_body, to_safetensors
+from deploy.http_parts import SAFETENSORS_MEDIA, check_declared_size, parse_json_object, payload_bytes, read_body, to_safetensors
 from deploy.openai_responses import (
     ChatStream,
     CompletionStream,
@@ -45,7 +45,6 @@ from deploy.openai_responses import (
     needed_token_ids,
     openai_error,
     openai_error_response,
-    payload_bytes,
     sse,
 )
 from deploy.openai_translate import (
@@ -71,6 +70,7 @@ class OpenAIRoutes:
     _config: Any
     _queue: Any
     _pool: Any
+    _codec: Any  # deploy.http_parts.Codec
 
     def _start_openai(self) -> None:
         options = self._config.openai
@@ -133,9 +133,10 @@ class OpenAIRoutes:
         try:
             check_declared_size(request, self._config.max_request_bytes)
             self._queue.check()  # full: 429 now, without reading a body that would only wait
-            body = await self._openai_body(request)
+            raw = await read_body(request, self._config.max_request_bytes)
             info = await self.info()  # type: ignore[attr-defined]
-            t: Translated = translate(body, self._config.served_model_names, info.max_model_len)
+            t: Translated = await self._codec.run(len(raw), _translated, translate, raw, self._config.served_model_names,
+                                                  info.max_model_len)
             id = f"{'chatcmpl' if t.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             created = int(time.time())
             if t.stream:
@@ -144,9 +145,12 @@ class OpenAIRoutes:
             text = await self._token_texts(needed_token_ids(t, result))
             capserve = await self._capserve(request, result)
             if t.kind == "chat":
-                return JSONResponse(chat_completion(t, result, id, created, capserve, text))
-            prompt = await self._prompt_text(t) if t.echo else ""
-            return JSONResponse(completion(t, result, id, created, capserve, text, prompt))
+                answer = chat_completion(t, result, id, created, capserve, text)
+            else:
+                prompt = await self._prompt_text(t) if t.echo else ""
+                answer = completion(t, result, id, created, capserve, text, prompt)
+            inline = payload_bytes(result) if capserve.get("download") is None else 0
+            return await self._codec.run(inline, JSONResponse, answer)  # renders (json.dumps) as it is built
         except Exception as exc:
             return openai_error_response(exc)
 
@@ -206,13 +210,15 @@ class OpenAIRoutes:
 
     async def _openai_body(self, request: Request) -> dict[str, Any]:
         check_declared_size(request, self._config.max_request_bytes)
-        return parse_json_object(await read_body(request, self._config.max_request_bytes))
+        raw = await read_body(request, self._config.max_request_bytes)
+        return await self._codec.run(len(raw), parse_json_object, raw)
 
     async def _capserve(self, request: Request, result: GenerateResult) -> dict[str, Any]:
         """The `capserve` field: arrays inline up to openai.inline_bytes, else a download link."""
-        if payload_bytes(result) <= self._config.openai.inline_bytes:
-            return capserve_field(result)
-        data = await asyncio.to_thread(to_safetensors, result)  # a large copy: off the event loop
+        size = payload_bytes(result)
+        if size <= self._config.openai.inline_bytes:
+            return await self._codec.run(size, capserve_field, result)
+        data = await self._codec.run(size, to_safetensors, result)
         try:
             stored = self._captures.put(data)
         except CaptureTooLarge as exc:
@@ -235,6 +241,10 @@ class OpenAIRoutes:
             return prompt
         async with within(self._deadline()):  # type: ignore[attr-defined]
             return await self._pool.call_any("detokenize", list(prompt))
+
+
+def _translated(translate: Any, raw: bytes, served: list[str], max_model_len: int) -> Translated:
+    return translate(parse_json_object(raw), served, max_model_len)
 
 
 def _options(options: CallOptions) -> CallOptions | None:

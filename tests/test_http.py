@@ -100,6 +100,24 @@ def test_json_results_carry_arrays_as_base64_wire_arrays():
     assert np.frombuffer(base64.b64decode(body["logits"]["data"]), np.float32).tolist() == [1.0] * 4
 
 
+def test_json_bodies_built_in_chunks_equal_json_dumps_of_the_encoded_result(monkeypatch):
+    import ml_dtypes
+
+    from deploy import http_parts
+
+    monkeypatch.setattr(http_parts, "BASE64_CHUNK", 9)  # many chunks per array, the last one short
+    many = result().model_copy(update={"activations": {
+        "blocks.0.hook_resid_post": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "blocks.1.hook_resid_post": np.linspace(-1, 1, 10).astype(ml_dtypes.bfloat16),
+        "blocks.2.hook_resid_post": np.zeros((0, 3), np.float32),
+        "blocks.3.hook_mlp_out": np.float16(np.arange(7)),
+    }, "text": 'a "quoted" \u00e9 text'})
+    expected = http_parts.result_fields(many)
+    expected["activations"] = {name: arrays.to_base64(a) for name, a in many.activations.items()}
+    expected["logits"] = arrays.to_base64(many.logits)
+    assert json.loads(http_parts.json_body(many)) == expected
+
+
 def test_safetensors_results_hold_arrays_and_the_other_fields():
     data = to_safetensors(result())
     tensors = load_safetensors(data)
@@ -258,6 +276,46 @@ def test_a_full_queue_is_a_503_before_the_body_is_read(served, monkeypatch):
     assert reads == [] and pool.calls == []
     too_big = client.post("/v1/generate", headers={**AUTH, "Content-Length": str(128 << 20)}, content=b"{}")
     assert too_big.status_code == 413  # the declared size is checked before the queue, too
+
+
+def test_a_small_request_is_answered_while_a_large_result_is_being_encoded(served, monkeypatch):
+    """The large result's encoder waits until the small request has its answer. On the event loop
+    it would hold everything up, so the small request could not finish and it would time out."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    large = np.zeros((1024, 512), np.float32)  # 2 MiB: encoded on a codec thread
+    encoding, small_answered, waited = threading.Event(), threading.Event(), []
+    encode_result = http.encode_result
+
+    def encode(result: GenerateResult, safetensors: bool) -> Any:
+        if result.activation_bytes >= large.nbytes:
+            encoding.set()
+            waited.append(small_answered.wait(timeout=10))
+        return encode_result(result, safetensors)
+
+    async def by_prompt(replica: str, request: GenerateRequest) -> GenerateResult:
+        if request.prompt == "large":
+            return result().model_copy(update={"activations": {"blocks.0.hook_resid_post": large}})
+        return result()
+
+    monkeypatch.setattr(http, "encode_result", encode)
+    served(FakePool(["a", "b"], by_prompt))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://capserve", headers=AUTH) as client:
+            big = asyncio.ensure_future(client.post("/v1/generate", json={"prompt": "large"}))
+            assert await asyncio.to_thread(encoding.wait, 10)
+            small = await client.post("/v1/generate", json={"prompt": "small"})
+            small_answered.set()
+            assert small.status_code == 200 and small.json()["text"] == "hi"
+            answer = await big
+            assert answer.status_code == 200 and answer.json()["activations"]["blocks.0.hook_resid_post"]["shape"] == [1024, 512]
+
+    asyncio.run(main())
+    assert waited == [True]  # the small request finished while the large one was being encoded
 
 
 def test_a_request_past_its_deadline_is_a_504_naming_the_setting(served):
