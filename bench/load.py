@@ -319,7 +319,7 @@ def left_behind(identity: dict[str, Any]) -> list[str]:
     remains = [
         f"{p['role']} pid {p['pid']} ({p['name']})"
         for p in identity["engine_pids"]
-        if Owner(p["pid"], p["started"]).alive()
+        if Owner(p["pid"], p["start_ticks"]).alive()
     ]
     spill_dir = identity.get("spill_dir")
     if spill_dir and os.path.exists(spill_dir):

@@ -52,7 +52,7 @@ def dead_pid() -> int:
 def test_an_owner_is_matched_by_pid_and_start_time():
     me = Owner.current()
     assert me.alive()
-    assert not Owner(me.pid, me.started - 100).alive()  # the same pid, another process
+    assert not Owner(me.pid, me.start_ticks - 100).alive()  # the same pid, another process
     assert not Owner(dead_pid(), time.time()).alive()
 
 
@@ -140,8 +140,24 @@ def test_sweep_leaves_the_folders_of_another_pid_namespace_alone(tmp_path):
 
     earlier = tmp_path / f"{SPILL_PREFIX}earlier-boot"
     earlier.mkdir()
-    Owner(os.getpid(), Owner.current().started, boot_id="an-earlier-boot").write(str(earlier))
+    Owner(os.getpid(), Owner.current().start_ticks, boot_id="an-earlier-boot").write(str(earlier))
     assert sweep_stale_spill_dirs(str(tmp_path)) == [str(earlier)]  # every process of an earlier boot is gone
+
+
+def test_owner_files_stay_readable_by_the_previous_version_on_the_same_node(tmp_path):
+    """In a rolling upgrade, replicas of capserve before 2026-12-05 share /dev/shm with these: they
+    judge a folder by pid and wall-clock "started" within 0.05 s (psutil), and sweep what they cannot
+    read as alive. Their own folders name no namespace: this version leaves them to them."""
+    import psutil
+
+    ours, theirs = tmp_path / f"{SPILL_PREFIX}ours", tmp_path / f"{SPILL_PREFIX}theirs"
+    for folder in (ours, theirs):
+        folder.mkdir()
+    Owner.current().write(str(ours))
+    written = json.loads((ours / OWNER_FILE).read_text())
+    assert abs(psutil.Process(written["pid"]).create_time() - written["started"]) < 0.05  # the previous version's test
+    (theirs / OWNER_FILE).write_text(json.dumps({"pid": dead_pid(), "started": time.time()}))
+    assert Owner.read(theirs) is None and sweep_stale_spill_dirs(str(tmp_path)) == [] and theirs.exists()
 
 
 class FakeLLM:

@@ -61,16 +61,16 @@ class Owner:
     like a reused pid: its engine's shared memory would be swept under it."""
 
     pid: int
-    started: int  # clock ticks since boot
+    start_ticks: int  # clock ticks since boot
     pid_ns: int = field(default_factory=current_pid_namespace)  # where `pid` is this process's number
     boot_id: str = field(default_factory=current_boot_id)
 
     @classmethod
     def of(cls, pid: int) -> "Owner":
-        started = _start_ticks(pid)
-        if started is None:
+        start_ticks = _start_ticks(pid)
+        if start_ticks is None:
             raise ProcessLookupError(f"no process {pid}")
-        return cls(pid, started)
+        return cls(pid, start_ticks)
 
     @classmethod
     def current(cls) -> "Owner":
@@ -83,16 +83,25 @@ class Owner:
 
     def alive(self) -> bool:
         """Whether the process runs; False for one of an earlier boot. Meaningless when `foreign()`."""
-        return self.boot_id == current_boot_id() and self.pid_ns == current_pid_namespace() and _start_ticks(self.pid) == self.started
+        return self.boot_id == current_boot_id() and self.pid_ns == current_pid_namespace() and _start_ticks(self.pid) == self.start_ticks
 
     def write(self, folder: str) -> None:
-        Path(folder, OWNER_FILE).write_text(json.dumps(asdict(self)))
+        # "started", wall-clock seconds, is what capserve before 2026-12-05 judges an owner by: a
+        # replica of that version on the same node must still find this one alive (it would sweep
+        # the folder of an owner it cannot read as alive); this version reads the other fields
+        try:
+            started = psutil.Process(self.pid).create_time()
+        except psutil.NoSuchProcess:
+            started = 0.0  # gone: gone for the older readers too
+        Path(folder, OWNER_FILE).write_text(json.dumps({**asdict(self), "started": started}))
 
     @classmethod
     def read(cls, folder: str | Path) -> "Owner | None":
+        """The folder's owner; None for none, or one written by capserve before 2026-12-05 (which
+        names no namespace: such folders are left to that version's own sweepers)."""
         try:
             fields = json.loads(Path(folder, OWNER_FILE).read_text())
-            return cls(int(fields["pid"]), int(fields["started"]), int(fields["pid_ns"]), str(fields["boot_id"]))
+            return cls(int(fields["pid"]), int(fields["start_ticks"]), int(fields["pid_ns"]), str(fields["boot_id"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
