@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from replicas.api import ChatMessage, GenerateRequest
 from replicas.api.errors import InvalidRequestError
 from replicas.api.streaming import CallOptions
+from replicas.plans.cost import estimate_prompt_tokens
 
 # GenerateRequest fields that are capserve's own (not OpenAI's), validated by GenerateRequest itself.
 CAPSERVE_FIELDS = ("capture", "interventions", "logits", "sae", "readouts")
@@ -199,17 +200,15 @@ def translate_chat(body: dict[str, Any], served: list[str], max_model_len: int) 
         raise OpenAIRequestError("top_logprobs: needs logprobs: true", "top_logprobs")
     logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
     fields = _sampling(parsed)
-    fields.update(
-        prompt=chat_messages(parsed.messages),
-        max_tokens=max_model_len - 1 if fill else max_tokens,  # a placeholder the replica replaces when filling
-        logprobs=logprobs,
-    )
+    fields.update(prompt=chat_messages(parsed.messages), max_tokens=max_model_len - 1 if fill else max_tokens, logprobs=logprobs)
     if parsed.tools is not None:
         fields["tools"] = parsed.tools
     for name in ("tool_choice", "parallel_tool_calls"):
         if getattr(parsed, name) is not None:
             fields[name] = getattr(parsed, name)
     request = _request(fields)
+    if fill:  # a placeholder the replica replaces; until then the Router charges what the prompt leaves room for
+        request = request.model_copy(update={"max_tokens": max(1, max_model_len - estimate_prompt_tokens(request))})
     stream, include_usage = _streaming(parsed)
     holds = bool(request.tools) and request.tool_choice_name != "none"
     return Translated("chat", request, CallOptions(fill_max_tokens=fill, token_strs=stream and logprobs is not None),

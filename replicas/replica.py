@@ -260,7 +260,6 @@ class EngineReplica:
         request = validated(request)
         run = _Run(options if isinstance(options, CallOptions) else CallOptions.model_validate(options or {}))
         key = object()
-        self._in_flight[id(key)] = request_cost(request, self._info.d_model, self._info.d_vocab)
         self._idle.clear()
         outcome = "error"
         try:
@@ -268,6 +267,8 @@ class EngineReplica:
                 from replicas.engine.tokens import fill_max_tokens
 
                 request = fill_max_tokens(self._engine, request, self._info.max_model_len)
+            # charged with the max_tokens it runs with (a filled one: what its prompt leaves room for)
+            self._in_flight[id(key)] = request_cost(request, self._info.d_model, self._info.d_vocab)
             yield request, run
             outcome = "ok"
         except (InvalidRequestError, CaptureFailedError):

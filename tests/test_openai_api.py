@@ -59,7 +59,11 @@ def test_chat_fields_map_to_the_generate_request():
 
 def test_chat_without_max_tokens_fills_the_context_on_the_replica():
     t = chat()
-    assert t.options.fill_max_tokens and t.request.max_tokens == 511  # a placeholder within max_model_len
+    # a placeholder the replica replaces; the Router charges what the (estimated) prompt leaves room for:
+    # 1 (BOS) + 4 template tokens + 0 for "hi" (2 bytes at 4 per token)
+    assert t.options.fill_max_tokens and t.request.max_tokens == 512 - 5
+    long = translate_chat({"messages": [{"role": "user", "content": "x" * 4000}]}, SERVED, 512)
+    assert long.request.max_tokens == 1  # the estimate leaves no room: the replica, which counts, decides
     assert translate_completion({"prompt": "x"}, SERVED, 512).request.max_tokens == 16  # OpenAI's completions default
 
 

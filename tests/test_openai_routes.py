@@ -241,7 +241,7 @@ def test_chat_and_completions_answer_through_the_router(served):
     assert parsed.choices[0].message.content == "hello 0" and parsed.choices[0].logprobs.content[0].token == "<5>"
     np.testing.assert_array_equal(arrays.from_raw(body["capserve"]["activations"][HOOK]), result(capture=True).activations[HOOK])
     (replica, sent), = pool.calls
-    assert sent.capture.hooks == [HOOK] and sent.max_tokens == 511  # the placeholder; the replica fills the context
+    assert sent.capture.hooks == [HOOK] and sent.max_tokens == 512 - 5  # a placeholder; the replica fills the context
     body = client.post("/v1/completions", headers=AUTH, json={"prompt": [0, 7], "echo": True, "max_tokens": 2}).json()
     assert body["choices"][0]["text"] == "decodedhello 0"  # token prompt echoed through a replica's tokenizer
     assert client.get("/v1/models", headers=AUTH).json()["data"][0] | {"created": 0} == {

@@ -28,6 +28,7 @@ class FakeEngine:
         self.dead = False
         self.stopped = False
         self.arena_budget = ArenaBudget(0, 0, 0)  # no arena
+        self.requests: list[Any] = []
 
     @classmethod
     async def start(cls, config: Any, name: str | None = None) -> "FakeEngine":
@@ -48,7 +49,11 @@ class FakeEngine:
     async def shutdown(self) -> None:
         self.stopped = True
 
+    def prompt_token_ids(self, request: Any) -> list[int]:
+        return list(request.prompt) if isinstance(request.prompt, list) else [0]
+
     async def generate(self, request: Any) -> GenerateResult:
+        self.requests.append(request)
         if request.prompt == "bad":
             raise InvalidRequestError("prompt: bad")
         await self.release.wait()
@@ -76,6 +81,22 @@ def test_results_name_the_replica_and_load_counts_outstanding_cost():
         assert (await pending).replica == replica.name
         assert (await replica.load())["in_flight"] == 0
         assert (await replica.identity())["replica"] == replica.name
+        await replica.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_fills_the_context_is_charged_with_the_room_its_prompt_leaves():
+    """OpenAI chat without max_tokens: the replica sets max_tokens to max_model_len (64) minus the
+    prompt (3 tokens), and charges that, not the Router's placeholder (63)."""
+    async def main():
+        replica, engine = await open_replica()
+        pending = asyncio.ensure_future(replica.generate({"prompt": [1, 2, 3], "max_tokens": 63}, {"fill_max_tokens": True}))
+        await asyncio.sleep(0.01)
+        assert engine.requests[-1].max_tokens == 61
+        assert (await replica.load())["outstanding_cost"] == 3 + 61
+        engine.release.set()
+        await pending
         await replica.shutdown()
 
     asyncio.run(main())
