@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from typing import Any
 
@@ -250,6 +251,76 @@ def test_client_errors_are_4xx_and_not_retried(client):
     with pytest.raises(openai.BadRequestError, match="maximum context length") as info:
         client.completions.create(model=MODEL, prompt=[5] * 510, max_tokens=8)
     assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="seed: Input should be less than or equal to") as info:
+        client.chat.completions.create(model=MODEL, messages=chat_prompt("x"), seed=2**70, max_tokens=2)
+    assert info.value.param == "seed"
+
+
+def test_a_chat_without_max_tokens_generates_and_captures_what_its_prompt_leaves_room_for(handle, client):
+    """vLLM's default: max_tokens = max_model_len - prompt tokens (the replica counts them); the
+    capture holds a row per token fed through the model, however many the request ran."""
+    messages = chat_prompt("Tell me everything about the mill")
+    capture = {"hooks": HOOKS[:1], "positions": "all"}
+    answer = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body={"capture": capture, "ignore_eos": True})
+    field = answer.model_extra["capserve"]
+    prompt = len(field["prompt_token_ids"])
+    assert answer.usage.completion_tokens == 512 - prompt and answer.choices[0].finish_reason == "length"
+    reference = native(handle, {"prompt": messages, "max_tokens": 512 - prompt, "temperature": 0, "ignore_eos": True,
+                                "capture": capture})
+    assert field["positions"] == reference.positions == list(range(511))  # the last sampled token is never fed through
+    from safetensors.numpy import load  # 511 rows: over the inline cap, so a download
+
+    got = httpx.get(field["download"]["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    np.testing.assert_allclose(load(got.content)[HOOKS[0]], reference.activations[HOOKS[0]], atol=TOL, rtol=0)
+
+
+def engine_state() -> dict[str, int]:
+    """Summed over the EngineReplicas: requests in flight, worker steps run, and what the workers
+    hold for requests (their per-request state, captured rows, arena bytes)."""
+    from ray import serve
+
+    replicas = serve.get_deployment_handle("EngineReplica", "capserve")
+    loads = replicas.broadcast("load").results(timeout_s=60)
+    engines = [stats["engine"] for stats in replicas.broadcast("stats").results(timeout_s=60)]
+    return {"in_flight": sum(load["in_flight"] for load in loads),
+            **{key: sum(e[key] for e in engines) for key in ("steps", "requests_held", "bytes_held", "arena_bytes_in_use")}}
+
+
+def test_a_request_whose_client_goes_away_is_aborted_in_the_engine(handle):
+    """The client reads a few chunks of a 480-token captured stream, or gives up on a plain request
+    once a replica holds it, and closes the connection: the request leaves the replica and the
+    engine before it ran its tokens, the engine stops stepping, and the workers hold nothing for it."""
+    from bench.load import wait_until
+
+    body = {"model": MODEL, "messages": chat_prompt("Go on and on"), "max_tokens": 480, "ignore_eos": True,
+            "capture": {"hooks": HOOKS, "positions": "all"}}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def abandon_stream() -> None:
+        with httpx.Client(base_url=URL, headers=headers, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                chunks = 0
+                for line in response.iter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks == 4:
+                        return  # leaving both blocks closes the connection
+
+    async def abandon_plain() -> None:
+        async with httpx.AsyncClient(base_url=URL, headers=headers, timeout=60) as http:
+            answer = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+            while (await asyncio.to_thread(engine_state))["in_flight"] == 0:
+                assert not answer.done(), answer.result().text
+            answer.cancel()  # closes the connection
+            await asyncio.gather(answer, return_exceptions=True)
+
+    for abandon in (abandon_stream, lambda: asyncio.run(abandon_plain())):
+        steps_before = engine_state()["steps"]
+        abandon()
+        wait_until(lambda: engine_state()["in_flight"] == 0, "the request to leave the replicas", timeout_s=60, poll_s=0.2)
+        state = engine_state()
+        assert state["steps"] - steps_before < 480  # stopped before its tokens were all generated
+        time.sleep(2)
+        assert engine_state() == {**state, "requests_held": 0, "bytes_held": 0, "arena_bytes_in_use": 0}
 
 
 # ---------------------------------------------------------------- inspect
