@@ -94,11 +94,13 @@ class Deadline:
     """A time budget on the running loop's clock; `stage` says where the request stands (for
     the error message)."""
 
-    def __init__(self, seconds: float, setting: str = "routing.request_timeout_s") -> None:
+    def __init__(self, seconds: float, setting: str = "routing.request_timeout_s",
+                 missed: Callable[[], None] | None = None) -> None:
         self.seconds = seconds
         self.setting = setting
         self.at = asyncio.get_running_loop().time() + seconds
         self.stage = "starting"
+        self.missed = missed  # called when `within` gives up on it (the Router counts misses)
 
     def left(self) -> float:
         return self.at - asyncio.get_running_loop().time()
@@ -122,6 +124,8 @@ async def within(deadline: Deadline) -> AsyncIterator[Deadline]:
     except TimeoutError:
         if not timer.expired():
             raise  # some other timeout inside the block: not ours to rename
+        if deadline.missed is not None:
+            deadline.missed()
         raise DeadlineExceededError(
             f"no result within {deadline.setting}={deadline.seconds:g} s; the request was {deadline.stage} "
             "and has been cancelled. Ask for less (max_tokens, capture size), or raise the deadline"

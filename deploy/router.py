@@ -193,7 +193,8 @@ class _Attempts:
 
 
 class _RouterMetrics:
-    """Rare events only (the per-request path stays free of metric calls); Serve adds the tags."""
+    """Rare events, and the queue sampled at each health check: the per-request path stays free of
+    metric calls. Serve adds the deployment, replica and application tags."""
 
     def __init__(self) -> None:
         from ray.serve import metrics
@@ -203,6 +204,14 @@ class _RouterMetrics:
         )
         self.rejected = metrics.Counter(
             "capserve_router_backpressure", description="Requests refused because the router's queue was full."
+        )
+        self.deadline_misses = metrics.Counter(
+            "capserve_router_deadline_exceeded",
+            description="Requests (or batches) cancelled at routing.request_timeout_s, wherever they were (HTTP 504).",
+        )
+        self.queued = metrics.Gauge(
+            "capserve_router_queued",
+            description="Requests the router holds that no replica has accepted yet, at its last health check.",
         )
 
 
@@ -332,6 +341,10 @@ class Router:
         states; cached for a second. Liveness is the router answering at all."""
         return await self._readiness.status(self._queue.waiting)
 
+    async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; it samples the queue for the metrics."""
+        self._metrics.queued.set(self._queue.waiting)
+
     async def stats(self) -> dict[str, Any]:
         return {
             "pid": os.getpid(),  # for memory monitoring (the reliability suite samples its RSS)
@@ -345,7 +358,7 @@ class Router:
     # ------------------------------------------------------------ routing
 
     def _deadline(self) -> Deadline:
-        return Deadline(self._config.routing.request_timeout_s)
+        return Deadline(self._config.routing.request_timeout_s, missed=self._metrics.deadline_misses.inc)
 
     async def _check_model_limits(self, request: GenerateRequest) -> None:
         """What no replica could serve, refused before it takes a queue slot: max_tokens past the

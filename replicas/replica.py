@@ -11,7 +11,7 @@ through the constructor, so tests run it with a fake engine and no Ray. `deploy.
 - Shutdown (`__del__`, called by Serve after its own drain) refuses new requests, waits for the
   in-flight ones up to `drain_timeout_s`, then shuts the engine down.
 - Metrics (`ray.serve.metrics`, tagged with deployment and replica by Serve): requests by method
-  and outcome, captured bytes, latency.
+  and outcome, captured bytes, latency, requests in flight, starts (docs/serving.md names them).
 """
 
 from __future__ import annotations
@@ -94,6 +94,15 @@ class _Metrics:
             boundaries=LATENCY_BUCKETS_MS,
             tag_keys=("method",),
         )
+        self.in_flight = metrics.Gauge(
+            "capserve_replica_in_flight",
+            description="Requests this replica holds (its engine's queue and batch), at its last health check.",
+        )
+        self.starts = metrics.Counter(
+            "capserve_replica_starts",
+            description="Replicas whose engine started; summed over a deployment, starts beyond its replica count "
+            "are restarts (Serve replaces a replica whose engine died).",
+        )
 
     def record(self, method: str, outcome: str, started: float, result: GenerateResult | None) -> None:
         self.requests.inc(tags={"method": method, "outcome": outcome})
@@ -137,6 +146,7 @@ class EngineReplica:
         self._engine.view_share = 1.0
         self._sink.watch(self._engine.arena_budget)
         self._info: ModelInfo = await self._engine.info()
+        self._metrics.starts.inc()
         logger.info("replica %s serving %s", self.name, self._info.model)
 
     @classmethod
@@ -228,7 +238,9 @@ class EngineReplica:
         }
 
     async def check_health(self) -> None:
-        """Serve calls this every health_check_period_s; raising marks the replica unhealthy."""
+        """Serve calls this every health_check_period_s; raising marks the replica unhealthy. It
+        samples the requests in flight for the metrics."""
+        self._metrics.in_flight.set(len(self._in_flight))
         try:
             await asyncio.wait_for(self._engine.check_health(), self._options.health_timeout_s)
         except Exception as exc:

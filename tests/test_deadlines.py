@@ -180,3 +180,41 @@ def test_a_timed_out_attempt_is_retried_on_the_replica_that_did_not_hang():
         await assert_nothing_held(router)
 
     bounded(main())
+
+
+class Tally:
+    """Stands in for a ray.serve.metrics Counter or Gauge (the Serve test scrapes the real ones)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, value: float = 1.0) -> None:
+        self.value += value
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+def test_deadline_misses_are_counted_once_per_request_or_batch_and_the_queue_is_sampled_at_health_checks():
+    hangs = Hangs("a", "b")
+
+    async def main() -> None:
+        pool = FakePool(["a", "b"], hangs)
+        router = Router(pool, {**routing(0.3, 0.3), "max_queued_requests": 8})
+        router._metrics.deadline_misses, router._metrics.queued = misses, queued = Tally(), Tally()
+        with pytest.raises(DeadlineExceededError):
+            await router.generate({"prompt": "x"})
+        with pytest.raises(DeadlineExceededError):
+            await router.capture_batch([{"prompt": f"p{i}", "capture": CAPTURE} for i in range(3)])
+        assert misses.value == 2
+        pool.open.clear()  # no replica slot: requests wait in the router's queue
+        waiting = [asyncio.ensure_future(router.generate({"prompt": f"w{i}"})) for i in range(3)]
+        while (await router.stats())["queued"] < 3:
+            await asyncio.sleep(0.01)
+        await router.check_health()
+        assert queued.value == 3
+        await asyncio.gather(*waiting, return_exceptions=True)  # they miss their deadline too
+        await router.check_health()
+        assert queued.value == 0 and misses.value == 5
+
+    bounded(main())

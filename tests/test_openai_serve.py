@@ -25,6 +25,7 @@ pytestmark = pytest.mark.serve
 openai = pytest.importorskip("openai")
 
 PORT = free_port()
+METRICS_PORT = free_port()  # Ray's Prometheus endpoint on this node
 URL = f"http://127.0.0.1:{PORT}"
 KEY = "openai-test-key"
 MODEL = "tiny-llama"
@@ -50,7 +51,8 @@ def handle(tmp_path_factory):
     lenses = tmp_path_factory.mktemp("readouts")
     tuned_lens_folder(lenses / "lens", seed=1)
     probe_file(lenses / "probe.safetensors", 3, n_out=3, hook=HOOKS[0])
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT,
+             _system_config={"metrics_report_interval_ms": 1000})  # metrics reach the endpoint within seconds
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {
         "num_replicas": 2,
@@ -321,6 +323,49 @@ def test_a_request_whose_client_goes_away_is_aborted_in_the_engine(handle):
         assert state["steps"] - steps_before < 480  # stopped before its tokens were all generated
         time.sleep(2)
         assert engine_state() == {**state, "requests_held": 0, "bytes_held": 0, "arena_bytes_in_use": 0}
+
+
+def samples() -> list[Any]:
+    """capserve's samples on Ray's Prometheus endpoint: names get a ray_ prefix, counters a _total suffix."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith("ray_capserve_")]
+
+
+def scrape() -> dict[tuple[str, str], float]:
+    """Each sample by (name, deployment), summed over the other labels (replica, method, outcome)."""
+    totals: dict[tuple[str, str], float] = {}
+    for sample in samples():
+        key = (sample.name.removeprefix("ray_"), sample.labels.get("deployment", ""))
+        totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def test_metrics_count_requests_bytes_starts_and_queues_on_ray_s_prometheus_endpoint(handle, client):
+    from bench.load import wait_until
+
+    def moved(key: tuple[str, str], before: dict[tuple[str, str], float], by: float) -> bool:
+        return scrape().get(key, 0.0) - before.get(key, 0.0) >= by
+
+    requests, captured = ("capserve_replica_requests_total", "EngineReplica"), ("capserve_replica_captured_bytes_total", "EngineReplica")
+    wait_until(lambda: scrape().get(requests, 0) > 0, "earlier requests to be exported", timeout_s=60)
+    time.sleep(3)  # let what is in flight settle
+    before = scrape()
+    capture = {"hooks": HOOKS, "positions": "all"}
+    answers = [client.completions.create(model=MODEL, prompt=f"Metric {i}", max_tokens=3, extra_body={"capture": capture})
+               for i in range(3)]
+    sent = sum(arrays.from_raw(a).nbytes for answer in answers for a in answer.model_extra["capserve"]["activations"].values())
+    wait_until(lambda: moved(requests, before, 3) and moved(captured, before, sent), "the new requests to be exported", timeout_s=60)
+    after = scrape()
+    assert after[requests] - before.get(requests, 0) == 3 and after[captured] - before.get(captured, 0) == sent
+    assert after[("capserve_replica_starts_total", "EngineReplica")] == 2  # two replicas, neither restarted
+    assert after[("capserve_replica_latency_ms_count", "EngineReplica")] >= after[requests]
+    for gauge in (("capserve_replica_in_flight", "EngineReplica"), ("capserve_router_queued", "Router")):
+        wait_until(lambda: gauge in scrape(), f"{gauge[0]} (set at each health check)", timeout_s=60)
+        assert scrape()[gauge] == 0  # nothing in flight or queued any more
+    outcomes = [(s.labels["method"], s.labels["outcome"], s.value) for s in samples() if s.name == "ray_" + requests[0]]
+    assert {("generate_stream", "cancelled", 1.0), ("generate", "cancelled", 1.0)} <= set(outcomes)  # the clients that went away
 
 
 # ---------------------------------------------------------------- inspect
