@@ -1,11 +1,13 @@
-"""`serve run serve_config.yaml` from a fresh copy of the repository, driven as a subprocess.
+"""`bash scripts/serve.sh` (`serve run serve_config.yaml`) from a fresh copy of the repository,
+driven as a subprocess.
 
-The copy holds what a clone holds (tracked and untracked-but-not-ignored files, no caches) and
-the tiny model is built at replica start into an empty cache. The Ray head is started with
+The copy holds what a clone holds (tracked and untracked-but-not-ignored files, no caches; its
+install step is stubbed: this venv is installed, and installing would reach the network) and the
+tiny model is built at replica start into an empty cache. The Ray head is started with
 `ray start --head --block` (in a private temp dir, so no other Ray user here finds it) so the
 README's handle snippet can reach the app; both processes are ours and are stopped by pid at the
 end. The app is started once for the module: its own checks and README.md's Quickstart snippets
-(tests/test_readme.py extracts them) run against it.
+(tests/test_readme.py extracts them) run against it, and last it is stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def wait_until_ready(url: str, serve_run: subprocess.Popen, timeout: float = 600
 @dataclass(frozen=True)
 class Served:
     repo: Path  # the fresh copy `serve run` runs in
+    process: subprocess.Popen  # bash scripts/serve.sh
     url: str
     http_port: int
     gcs: str
@@ -119,6 +122,7 @@ def served(tmp_path_factory) -> Iterator[Served]:
     tmp_path = tmp_path_factory.mktemp("serve_cli")
     repo = tmp_path / "capserve"
     fresh_copy(repo)
+    (repo / "scripts" / "install.sh").write_text("#!/usr/bin/env bash\n# stubbed by tests/test_serve_cli.py\n")
     config = repo / "serve_config.yaml"
     http_port = yaml.safe_load(config.read_text())["http_options"]["port"]
     if port_in_use(http_port):  # someone else serves on 8000: same config on a free port
@@ -147,11 +151,11 @@ def served(tmp_path_factory) -> Iterator[Served]:
         wait_for_port(gcs, head)  # serve run's ray.init then waits for the GCS to serve
         log = open(tmp_path / "serve_run.log", "w")
         serve_run = subprocess.Popen(
-            ["serve", "run", "serve_config.yaml"], cwd=repo, env={**env, "RAY_ADDRESS": gcs}, stdout=log, stderr=log
+            ["bash", "scripts/serve.sh"], cwd=repo, env={**env, "RAY_ADDRESS": gcs}, stdout=log, stderr=log
         )
         url = f"http://127.0.0.1:{http_port}"
         wait_until_ready(url, serve_run)
-        yield Served(repo=repo, url=url, http_port=http_port, gcs=gcs, env=env)
+        yield Served(repo=repo, process=serve_run, url=url, http_port=http_port, gcs=gcs, env=env)
     finally:
         if serve_run is not None:
             stop(serve_run, signal.SIGINT)
@@ -198,6 +202,34 @@ def test_readme_quickstart_snippets_run_as_written(served):
             at += 1
     assert [v["n_layers"] for v in values if "n_layers" in v] == [4]
     assert (served.repo / "capture.safetensors").stat().st_size > 0
+
+
+SPILL_DIRS = """
+import json, time, ray
+from ray import serve
+ray.init(address="auto", log_to_driver=False)
+replicas = serve.get_deployment_handle("EngineReplica", "capserve")
+for _ in range(150):  # a broadcast reaches the running replicas: wait for both
+    identities = replicas.broadcast("identity").results(timeout_s=60)
+    if len(identities) == 2:
+        break
+    time.sleep(2)
+print(json.dumps([identity["spill_dir"] for identity in identities]))
+"""
+
+
+def test_sigterm_stops_the_app_gracefully_and_leaves_no_shared_memory(served):
+    """SIGTERM, as kill, docker stop and systemd send it, to serve.sh: the app stops gracefully and its
+    engines take their shared-memory folders with them (the Ray head, which would kill them, still runs)."""
+    call = subprocess.run([sys.executable, "-c", SPILL_DIRS], cwd=served.repo, env={**served.env, "RAY_ADDRESS": served.gcs},
+                          capture_output=True, text=True, timeout=400)
+    assert call.returncode == 0, call.stderr[-3000:]
+    spill_dirs = json.loads(call.stdout.strip().splitlines()[-1])
+    assert len(spill_dirs) == 2 and all(os.path.isdir(d) for d in spill_dirs)
+    served.process.send_signal(signal.SIGTERM)
+    status = served.process.wait(timeout=300)
+    assert [d for d in spill_dirs if os.path.exists(d)] == []
+    assert status == 0  # serve run's own graceful exit
 
 
 def test_serve_run_warns_about_an_open_bind_without_a_key(tmp_path):
