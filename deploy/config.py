@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from replicas.api.fields import check_vector_name
+from replicas.api.hooks import editable_hook
 from replicas.engine.config import LOCKED_REASON, LOCKED_SETTINGS, EngineConfig
 from replicas.replica import TINY_PREFIX, is_tiny
 from replicas.shards.sink import SinkOptions
@@ -140,6 +142,26 @@ class OpenAIOptions(BaseModel):
         return [model]
 
 
+class VectorSpec(BaseModel):
+    """A named steering vector read from a file by the Router at start (deploy.vectors)."""
+
+    model_config = _STRICT
+
+    path: str = Field(description="A .npy or .safetensors file on the Router's node: [width] or [n_heads, d_head].")
+    hook: str | None = Field(None, description="Default hook of requests that name the vector without one.")
+    tensor: str | None = Field(None, description=".safetensors holding several tensors: the one to use.")
+
+    @model_validator(mode="after")
+    def _usable(self) -> "VectorSpec":
+        if not self.path.endswith((".npy", ".safetensors")):
+            raise ValueError(f"path {self.path!r}: expected a .npy or .safetensors file")
+        if self.tensor is not None and not self.path.endswith(".safetensors"):
+            raise ValueError("tensor: applies to .safetensors files only")
+        if self.hook is not None:
+            editable_hook(self.hook)
+        return self
+
+
 class AutoscalingArgs(BaseModel):
     """Serve autoscaling of EngineReplica; replaces `num_replicas` when set."""
 
@@ -214,6 +236,12 @@ class AppArgs(BaseModel):
     sink: SinkOptions = Field(
         default_factory=SinkOptions, description="Each replica's shard writers for `capserve capture --sink replica`."
     )
+    vectors: dict[str, VectorSpec] = Field(
+        default_factory=dict,
+        description="Named steering vectors, {name: {path, hook?, tensor?}}: requests name them in place of an "
+        "array (docs/requests.md); more can be uploaded (POST /v1/vectors).",
+    )
+    max_vectors: int = Field(1024, ge=0, description="Most named vectors the Router holds, from serve_config and uploaded.")
     router_replicas: int = Field(
         1, ge=1, description="Router deployment replicas; only 1 is supported (the cost ledger lives in the Router)."
     )
@@ -240,6 +268,14 @@ class AppArgs(BaseModel):
                 "Router's node and set api_key_file: /path/to/key"
             )
         return data
+
+    @model_validator(mode="after")
+    def _vector_names(self) -> "AppArgs":
+        for name in self.vectors:
+            check_vector_name(name)
+        if len(self.vectors) > self.max_vectors:
+            raise ValueError(f"vectors: {len(self.vectors)} entries exceed max_vectors={self.max_vectors}")
+        return self
 
     @model_validator(mode="after")
     def _one_router(self) -> "AppArgs":
@@ -291,6 +327,8 @@ class RouterConfig(BaseModel):
     served_model_names: list[str] = Field(
         default_factory=lambda: ["tiny-llama"], min_length=1, description="Names the OpenAI routes answer to."
     )
+    vectors: dict[str, VectorSpec] = Field(default_factory=dict, description="AppArgs.vectors, read by the Router at start.")
+    max_vectors: int = Field(1024, ge=0)
 
 
 def resolve_api_key(args: AppArgs | None = None) -> SecretStr | None:
@@ -338,4 +376,6 @@ def router_config(args: AppArgs) -> RouterConfig:
         routing=args.routing,
         openai=args.openai,
         served_model_names=args.openai.served_names(args.model),
+        vectors=args.vectors,
+        max_vectors=args.max_vectors,
     )

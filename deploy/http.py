@@ -9,6 +9,7 @@
     GET  /docs, /openapi.json   behind the bearer token when auth is on, like every route but the probes
     OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models, /tokenize,
     /detokenize, /v1/captures/{id}): `deploy.openai_routes`, docs/openai.md
+    POST/GET /v1/vectors, DELETE /v1/vectors/{name}: named steering vectors, `deploy.vectors`
 
 Auth is one FastAPI dependency on the whole app (`require_key`), not a check per route: a route
 added later is guarded by default; only the paths in OPEN_PATHS are exempt. The key is the
@@ -67,6 +68,7 @@ from deploy.http_parts import (  # re-exported: tests and callers import them fr
 from deploy.openai_routes import OPENAI_PATHS, OpenAIRoutes, openai_api, openai_error_response
 from deploy.readiness import ReadyStatus
 from deploy.router import Router
+from deploy.vectors import VectorRoutes, vectors_api
 
 __all__ = [
     "OPEN_PATHS", "HttpError", "HttpResult", "HttpRouter", "RouterIngress", "api", "check_bearer", "check_declared_size",
@@ -106,6 +108,7 @@ api = FastAPI(
     dependencies=[Depends(require_key)],
 )
 api.include_router(openai_api)  # the OpenAI-compatible routes (deploy.openai_routes), behind the same key
+api.include_router(vectors_api)  # named steering vectors (deploy.vectors), behind the same key
 
 
 class EncodedArray(BaseModel):
@@ -145,7 +148,7 @@ _RESULT = {
 }
 
 
-class HttpRouter(OpenAIRoutes, Router):
+class HttpRouter(VectorRoutes, OpenAIRoutes, Router):
     """The Router plus its HTTP endpoints, native and OpenAI-compatible (wrapped by `serve.ingress`
     in `deploy.app`)."""
 

@@ -9,6 +9,8 @@ Handle methods (Python callers, the provider and the client):
     await handle.info.remote()                       -> ModelInfo
     await handle.stats.remote()                      -> queue depth and per-replica outstanding cost
     await handle.ready.remote()                      -> ReadyStatus: can an engine serve now (deploy.readiness)
+    await handle.register_vector.remote(name, vector, hook=None, replace=False)   # named vectors (deploy.vectors);
+    await handle.list_vectors.remote(); await handle.delete_vector.remote(name)   # requests name them in place of arrays
     async for item in handle.options(stream=True).generate_stream.remote(request):   # StreamDelta..., StreamEnd
 
 `by_reference=True` on generate/capture/capture_batch returns `ray.ObjectRef`s to the replica's
@@ -20,7 +22,8 @@ for a result carrying at least `deploy.handle_args.AUTO_REFERENCE_BYTES` of arra
 otherwise: a small result by value saves the caller a second round trip to fetch it.
 
 What the router guarantees:
-- validation before any replica is chosen: `InvalidRequestError` naming the field;
+- validation before any replica is chosen: `InvalidRequestError` naming the field; named vectors
+  are replaced by their arrays here, so replicas never see a name;
 - least outstanding cost balancing (`deploy.balance`);
 - a request whose replica or engine dies before answering is retried on another replica, up to
   `routing.max_attempts`; when all fail, `ReplicaUnavailableError` lists each attempt's cause;
@@ -62,6 +65,7 @@ from deploy.config import RouterConfig
 from replicas.api.error_messages import describe, public_message, quiet_client_errors, remote_cause
 from deploy.readiness import FleetStates, ReadinessProbe, ReadyStatus, serve_fleet_states
 from deploy.streams import RouterStream, stream_attempt
+from deploy.vectors import VectorMethods, VectorRegistry
 
 
 MAX_REPICKS = 16  # slots given back because they landed on a replica this request failed on
@@ -218,7 +222,7 @@ class _RouterMetrics:
 # ---------------------------------------------------------------- the router
 
 
-class Router:
+class Router(VectorMethods):
     def __init__(self, replicas: Any, config: RouterConfig | dict[str, Any] | None = None) -> None:
         self._config = config if isinstance(config, RouterConfig) else RouterConfig.model_validate(config or {})
         self._pool: ReplicaPool = replicas if isinstance(replicas, ReplicaPool) else HandlePool(replicas)
@@ -228,6 +232,8 @@ class Router:
         self._info: ModelInfo | None = None
         self._metrics = _RouterMetrics()
         self._readiness = ReadinessProbe(self._pool.fleet_states)
+        self._vectors = VectorRegistry(self._config.vectors, self._config.max_vectors)  # named vectors (deploy.vectors)
+        self._check_vectors_at_start()
         quiet_client_errors()  # a bad request raised to a handle caller: one WARNING line, no traceback
 
     # ------------------------------------------------------------ handle methods
@@ -235,7 +241,7 @@ class Router:
     async def generate(self, request: GenerateRequest | dict[str, Any], by_reference: ByReference = False, options: Any = None) -> Any:
         """`options`: `replicas.api.streaming.CallOptions` for the replica (the OpenAI routes set them)."""
         check_by_reference(by_reference)
-        request = validated(request)
+        request = await self._resolved(validated(request))
         async with within(self._deadline()) as deadline:
             await self._check_model_limits(request)
             self._admit(1)
@@ -259,6 +265,7 @@ class Router:
         return RouterStream(self._stream_into, validated(request), options)
 
     async def _stream_into(self, request: GenerateRequest, options: Any, sink: Callable[[Any], None]) -> None:
+        request = await self._resolved(request)
         async with within(self._deadline()) as deadline:
             await self._check_model_limits(request)
             self._admit(1)
@@ -275,7 +282,7 @@ class Router:
         `capture.positions` defaults to "prompt". A max_tokens other than 1 is refused: use
         generate() to sample."""
         check_by_reference(by_reference)
-        request = capture_request(request)
+        request = await self._resolved(capture_request(request))
         async with within(self._deadline()) as deadline:
             self._admit(1)
             return await self._submit("generate", request, by_reference, deadline)
@@ -299,7 +306,7 @@ class Router:
                 f"requests: {len(requests)} requests exceed max_queued_requests={self._queue.limit}, the most the "
                 f"router can hold at once; split the batch into batches of at most {self._queue.limit}"
             )
-        batch = [capture_request(r, where=f"requests[{i}].") for i, r in enumerate(requests)]
+        batch = [await self._resolved(capture_request(r, where=f"requests[{i}]."), f"requests[{i}].") for i, r in enumerate(requests)]
         if not batch:
             return []
         async with within(self._deadline()) as deadline:
@@ -324,9 +331,11 @@ class Router:
         by the summed cost of its lines, one queue slot, retried on another replica when the one
         running it dies (a shard is published atomically, so a retry never leaves half of one)."""
         job = shard_job(job)
+        requests = [validated(item.request, f"lines[{i}].request.") for i, item in enumerate(job.lines)]
+        job = await self._resolved_job(job, requests)
         async with within(self._deadline()) as deadline:
             self._admit(1)
-            cost = sum([await self._cost(validated(item.request, f"lines[{i}].request.")) for i, item in enumerate(job.lines)])
+            cost = sum([await self._cost(request) for request in requests])
             return await self._submit("capture_shard", job, False, deadline, cost=cost)
 
     async def info(self) -> ModelInfo:
@@ -334,6 +343,7 @@ class Router:
             async with within(self._deadline()) as deadline:
                 deadline.stage = "waiting for a replica to report the model's info"
                 self._info = await self._pool.call_any("info")
+            self._vectors.check_model(self._info)
         return self._info
 
     async def ready(self) -> ReadyStatus:

@@ -86,10 +86,12 @@ def edit_of(op: str, hook: str) -> dict:
     if op == "set":
         values = np.random.default_rng(2).standard_normal((3, 128)).astype(np.float32)
         return {"hook": hook, "op": "set", "values": values, "positions": [1, 3, -1]}
+    if op == "clamp":
+        return {"hook": hook, "op": "clamp", "vector": direction(4), "min": -0.5, "max": 0.5}
     return {"hook": hook, "op": "project_out", "vector": direction(3), "positions": "generated"}
 
 
-OPS = ("add", "add_norm_matched", "scale", "set", "project_out")
+OPS = ("add", "add_norm_matched", "scale", "set", "project_out", "clamp")
 
 
 def test_every_op_at_every_kind_matches_hf_in_one_batch_with_an_unedited_request(loop, arch):

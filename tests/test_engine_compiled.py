@@ -42,10 +42,12 @@ def test_compiled_engine_matches_eager_for_captures_edits_and_logits(loop, engin
     steer = {"hook": "blocks.1.hook_resid_pre", "op": "add", "vector": np.linspace(-1, 1, 128), "positions": "generated"}
     patch = {"hook": "blocks.2.hook_resid_mid", "op": "set", "positions": [2, -1], "values": np.ones((2, 128))}
     ablate = {"hook": "blocks.1.attn.hook_z", "op": "scale", "factor": 0.0, "heads": [1], "phase": "decode"}
+    clamps = [{"hook": "blocks.2.hook_resid_post", "op": "clamp", "vector": np.cos(np.arange(128)), "min": -0.5, "max": 0.5},
+              {"hook": "blocks.2.attn.hook_z", "op": "clamp", "vector": np.sin(np.arange(64)), "max": 0.0, "heads": [0]}]
     plain = {"prompt": prompt_ids(30, 80), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
              "capture": {"hooks": hooks}, "logits": {"positions": "all"}}
     requests = [plain, plain | {"interventions": [steer, patch]}, plain | {"prompt": prompt_ids(9, 81)},
-                plain | {"interventions": [ablate]}]
+                plain | {"interventions": [ablate]}, plain | {"interventions": clamps}]
 
     async def both(engine):
         return await asyncio.gather(*(engine.generate(r) for r in requests))
@@ -57,7 +59,8 @@ def test_compiled_engine_matches_eager_for_captures_edits_and_logits(loop, engin
             assert_close(got.activations[name], want.activations[name], atol=ACTIVATION_TOL, rtol=0)
         assert_close(got.logits, want.logits, atol=LOGIT_TOL, rtol=0)
     steered, unsteered, ablated = results[1], results[0], results[3]
-    assert np.abs(steered.logits - unsteered.logits).max() > 1e-2
+    for edited in (steered, results[4]):
+        assert np.abs(edited.logits - unsteered.logits).max() > 1e-2
     # the ablated head's z is zero on decode rows alone, where the edited rows were staged; the prompt's rows,
     # and the first decode row's other head (its input token came from unedited logits), are the plain request's
     z, z_plain = ablated.activations["blocks.1.attn.hook_z"], unsteered.activations["blocks.1.attn.hook_z"]

@@ -11,7 +11,8 @@ import torch
 from replicas.api.errors import InvalidRequestError
 from replicas.api.hooks import LAYER_KINDS
 from tests.conftest import ACTIVATION_TOL, ARCHS, LOGIT_TOL, MAX_NUM_BATCHED_TOKENS, assert_close, assert_same
-from tests.hf_reference import hf_greedy, hf_logits
+from tests.hf_attention import hf_attention
+from tests.hf_reference import hf_activations, hf_greedy, hf_logits
 from tests.test_engine_capture import prompt_ids
 
 pytestmark = pytest.mark.engine
@@ -33,6 +34,8 @@ def make_edit(op: str, hook: str, positions, n_rows: int) -> dict:
     if op == "set":
         values = np.random.default_rng(2).standard_normal((n_rows, D_MODEL)).astype(np.float32)
         return {"hook": hook, "op": "set", "values": values, "positions": positions}
+    if op == "clamp":  # caps the direction: rows with a positive component along it lose that part
+        return {"hook": hook, "op": "clamp", "vector": direction(4), "max": 0.0, "positions": positions}
     return {"hook": hook, "op": "project_out", "vector": direction(3), "positions": positions}
 
 
@@ -66,6 +69,8 @@ def hf_edit_fn(edit: dict, prompt_len: int):
         elif edit["op"] == "set":
             values = torch.as_tensor(np.atleast_2d(edit["values"]))
             part = values[: len(rows)] if len(values) > 1 else values.expand_as(part)
+        elif edit["op"] == "clamp":
+            part = clamped(part, edit["vector"], edit.get("min"), edit.get("max"))
         else:
             unit = torch.as_tensor(edit["vector"]) / torch.as_tensor(edit["vector"]).norm()
             part = part - (part @ unit)[:, None] * unit
@@ -75,13 +80,20 @@ def hf_edit_fn(edit: dict, prompt_len: int):
     return fn
 
 
+def clamped(rows: torch.Tensor, vector: np.ndarray, lo: float | None, hi: float | None) -> torch.Tensor:
+    """rows + (clip(rows . u, lo, hi) - rows . u) u for the unit vector u along `vector` (None: no bound)."""
+    unit = torch.as_tensor(vector, dtype=torch.float32) / torch.as_tensor(vector, dtype=torch.float32).norm()
+    dot = rows @ unit
+    return rows + (dot.clamp(lo, hi) - dot)[:, None] * unit
+
+
 def hf_edits(edits: list[dict], prompt_len: int) -> list:
     from replicas.api.hooks import resolve_hook
 
     return [(*resolve_hook(e["hook"]), hf_edit_fn(e, prompt_len)) for e in edits]
 
 
-OP_POSITIONS = {"add": "all", "scale": "prompt", "set": [1, 3, -1], "project_out": "all"}
+OP_POSITIONS = {"add": "all", "scale": "prompt", "set": [1, 3, -1], "project_out": "all", "clamp": "generated"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -119,6 +131,51 @@ def test_norm_matched_add_and_stacked_edits_match_hf(loop, engines, tiny_models)
     reference = hf_edits(edits, len(prompt))
     assert result.token_ids == hf_greedy(path, prompt, 5, edits=reference)
     assert_close(result.logits, hf_logits(path, prompt + result.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)
+
+
+def test_clamp_matches_hf_on_the_residual_stream_and_per_head_on_z_beside_an_unedited_request(loop, engines, tiny_models):
+    """A clamp holds the component along its unit vector within [min, max]: on resid_post, and on
+    z head by head along each chosen head's own direction (HF with the same edit of z). The bounds
+    sit at the median of the unedited components, so some rows are clipped and others not; a
+    request beside them in the batch is unchanged."""
+    engine, path = engines["llama"], tiny_models["llama"]
+    info = loop.run(engine.info())
+    heads, d_head = info.attention.n_heads, info.attention.d_head_v
+    prompt = prompt_ids(12, seed=27)
+    vector = direction(20)
+    own = np.random.default_rng(21).standard_normal((heads, d_head)).astype(np.float32)
+    chosen = [0, heads - 1]
+    along = hf_activations(path, prompt)[(1, "resid_post")] @ (vector / np.linalg.norm(vector))
+    z = hf_attention(path, prompt)[(2, "z")]
+    per_head = np.stack([z[:, h] @ (own[h] / np.linalg.norm(own[h])) for h in chosen])
+    cap = {"hook": "blocks.1.hook_resid_post", "op": "clamp", "vector": vector, "max": float(np.median(along))}
+    floor = {"hook": "blocks.2.attn.hook_z", "op": "clamp", "vector": own, "min": float(np.median(per_head)), "heads": chosen}
+    base = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"}}
+
+    async def together():
+        return await asyncio.gather(engine.generate(base), *(engine.generate(base | {"interventions": [e]}) for e in (cap, floor)))
+
+    plain, capped, floored = loop.run(together())
+
+    reference = hf_edits([cap], len(prompt))
+    assert capped.token_ids == hf_greedy(path, prompt, 5, edits=reference)
+    assert_close(capped.logits, hf_logits(path, prompt + capped.token_ids[:-1], edits=reference), atol=LOGIT_TOL, rtol=0)
+
+    def floor_heads(z: torch.Tensor) -> torch.Tensor:
+        z = z.clone()
+        for head in chosen:
+            z[:, head] = clamped(z[:, head], own[head], floor["min"], None)
+        return z
+
+    tokens = list(prompt)
+    for _ in range(5):
+        tokens.append(int(hf_attention(path, tokens, {2: floor_heads})[(-1, "logits")][-1].argmax()))
+    assert floored.token_ids == tokens[len(prompt):]
+    expected = hf_attention(path, prompt + floored.token_ids[:-1], {2: floor_heads})[(-1, "logits")]
+    assert_close(floored.logits, expected, atol=LOGIT_TOL, rtol=0)
+    assert_close(plain.logits, hf_logits(path, prompt + plain.token_ids[:-1]), atol=LOGIT_TOL, rtol=0)
+    for edited in (capped, floored):  # the clamps bit
+        assert np.abs(edited.logits[: len(prompt)] - plain.logits[: len(prompt)]).max() > 1e-2
 
 
 def test_edits_stay_in_their_own_rows(loop, engines, tiny_models):

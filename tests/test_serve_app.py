@@ -42,6 +42,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 HOOKS = ["blocks.1.hook_resid_post", "blocks.3.hook_attn_out"]
 KIND = {"blocks.1.hook_resid_post": (1, "resid_post"), "blocks.3.hook_attn_out": (3, "attn_out")}
 TOL = 1e-4
+TOWARD = np.random.default_rng(7).standard_normal(128).astype(np.float32)  # serve_config vectors.toward
 
 
 class App:
@@ -99,6 +100,9 @@ def app(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("secrets") / "api_key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
+    vectors = tmp_path_factory.mktemp("vectors")
+    np.save(vectors / "toward.npy", TOWARD)
+    np.save(vectors / "misfit.npy", TOWARD[:100])  # no row of the model is 100 wide
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {
@@ -108,6 +112,8 @@ def app(tmp_path_factory):
         "health_check_timeout_s": 20,
         "max_request_bytes": 1 << 20,
         "engine": {"max_model_len": 512, "max_num_seqs": 64},
+        "vectors": {"toward": {"path": str(vectors / "toward.npy"), "hook": "blocks.1.hook_resid_post"},
+                    "misfit": {"path": str(vectors / "misfit.npy")}},
     }
     watcher = ProbeWatcher()
     watcher.start()
@@ -295,3 +301,51 @@ def test_http_capture_as_json_or_safetensors_equals_the_handle_capture(app):
     assert binary.headers["content-type"] == "application/octet-stream"
     assert load(by_query.content).keys() == set(HOOKS)
     assert as_json["prompt_token_ids"] == reference.prompt_token_ids
+
+
+def test_named_vectors_from_serve_config_and_http_steer_as_their_arrays_do(app):
+    """serve_config's vector (with its default hook) and one uploaded over HTTP, named in native,
+    handle and OpenAI requests, steer exactly as the same arrays sent inline; one that does not fit
+    the model is listed with its problem (and logged at start), and requests naming it get a 422."""
+    import ray
+
+    from replicas.api import arrays
+
+    uploaded = np.random.default_rng(8).standard_normal(128).astype(np.float32)
+    base = {"prompt": "The mill by the river", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logits": {"positions": "last_prompt"}}
+    plain = app.handle.generate.remote(base).result(timeout_s=120)
+    inline = app.handle.generate.remote(base | {"interventions": [
+        {"hook": "blocks.1.hook_resid_post", "op": "add", "vector": TOWARD, "scale": 4.0}]}).result(timeout_s=120)
+    named = app.handle.generate.remote(base | {"interventions": [{"op": "add", "vector": "toward", "scale": 4.0}]}).result(timeout_s=120)
+    assert named.token_ids == inline.token_ids
+    np.testing.assert_allclose(named.logits, inline.logits, atol=TOL, rtol=0)
+    assert np.abs(named.logits - plain.logits).max() > 1e-2  # it steered
+    clamp = {"hook": "blocks.2.hook_resid_pre", "op": "clamp", "max": 0.0}
+    with httpx.Client(base_url=URL, headers=AUTH, timeout=120) as client:
+        up = client.post("/v1/vectors", json={"name": "uploaded", "vector": arrays.to_base64(uploaded)})
+        assert up.status_code == 201, up.text
+        assert client.post("/v1/vectors", json={"name": "uploaded", "vector": uploaded.tolist()}).status_code == 409
+        listed = {v["name"]: v for v in client.get("/v1/vectors").json()["vectors"]}
+        assert listed["toward"]["source"] == "config" and listed["toward"]["problem"] is None
+        assert listed["uploaded"]["source"] == "upload" and listed["uploaded"]["shape"] == [128]
+        assert listed["misfit"]["problem"].startswith("shape [100] fits no row at any of this model's hooks")
+        by_http = client.post("/v1/generate", json=base | {"interventions": [clamp | {"vector": "uploaded"}]}).json()
+        reference = app.handle.generate.remote(base | {"interventions": [clamp | {"vector": uploaded}]}).result(timeout_s=120)
+        assert by_http["token_ids"] == reference.token_ids
+        np.testing.assert_allclose(arrays.from_raw(by_http["logits"]), reference.logits, atol=TOL, rtol=0)
+        chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Tell me of the mill"}], "max_tokens": 5,
+                "temperature": 0}
+        openai_named = client.post("/v1/chat/completions", json=chat | {"interventions": [{"op": "add", "vector": "toward", "scale": 4.0}]})
+        openai_inline = client.post("/v1/chat/completions", json=chat | {"interventions": [
+            {"hook": "blocks.1.hook_resid_post", "op": "add", "vector": TOWARD.tolist(), "scale": 4.0}]})
+        assert openai_named.status_code == 200, openai_named.text
+        assert openai_named.json()["capserve"]["token_ids"] == openai_inline.json()["capserve"]["token_ids"]
+        misfit = client.post("/v1/generate", json=base | {"interventions": [{"hook": "0:resid_post", "op": "add", "vector": "misfit"}]})
+        assert misfit.status_code == 422 and "vector 'misfit' (serve_config vectors.misfit) shape [100]" in misfit.json()["error"]["message"]
+        assert client.delete("/v1/vectors/uploaded").json() == {"deleted": "uploaded"}
+        gone = client.post("/v1/generate", json=base | {"interventions": [clamp | {"vector": "uploaded"}]})
+        assert gone.status_code == 422 and "no vector named 'uploaded'" in gone.json()["error"]["message"]
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    text = "".join(Path(f).read_text() for f in glob.glob(os.path.join(logs, "serve", "replica_capserve_Router_*.log")))
+    assert "serve_config vectors.misfit does not fit the model" in text

@@ -2,7 +2,7 @@
 worker all read. The schemas (`replicas.api.schemas`) are re-exported here; hook names, errors and
 the array wire format have their own modules in this package."""
 
-from replicas.api.fields import PositionMode, Positions, ResultArray
+from replicas.api.fields import FloatArray, PositionMode, Positions, ResultArray
 from replicas.api.hooks import HookPoint, resolve_hook
 from replicas.api.readouts import LensSpec, ProbeSpec, ReadoutResult, ReadoutSpec
 from replicas.api.schemas import (
@@ -10,7 +10,6 @@ from replicas.api.schemas import (
     CaptureSpec,
     ChatMessage,
     Choice,
-    FloatArray,
     GenerateRequest,
     GenerateResult,
     Intervention,

@@ -153,3 +153,18 @@ def captured_kinds(armed: Iterable[str]) -> list[str]:
     if any(kind in PATTERN_KINDS for kind in kinds):
         kinds += [kind for kind in ("q", "k") if kind not in kinds]
     return [kind for kind in kinds if kind not in PATTERN_KINDS]
+
+
+def editable_hook(hook: str) -> str:
+    """`hook` when an intervention may edit it; raises naming why not."""
+    kind = resolve_hook(hook).kind
+    if kind == "ln_final":
+        raise ValueError(f"hook {hook!r} cannot be edited; edit a layer's hook instead")
+    if kind in PATTERN_KINDS:
+        raise ValueError(f"hook {hook!r} is computed from q and k and cannot be edited; edit hook_q or hook_k")
+    if kind == "expert_ids":
+        raise ValueError(
+            f"hook {hook!r} is the router's choice and cannot be edited; to force or forbid an expert, add "
+            f"+1e4 or -1e4 at its index to the same layer's mlp.hook_router_logits"
+        )
+    return hook

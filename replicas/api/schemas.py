@@ -15,38 +15,14 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    PlainSerializer,
-    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from replicas.api import arrays
-from replicas.api.fields import Positions, ResultArray
-from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, resolve_hook
+from replicas.api.fields import FloatArray, Positions, ResultArray, VectorOrName
+from replicas.api.hooks import HEAD_KINDS, editable_hook, resolve_hook
 from replicas.api.readouts import ReadoutList, ReadoutResult
-
-
-def _to_float_array(value: Any) -> np.ndarray:
-    if arrays.is_encoded_array(value):
-        value = arrays.from_raw(value)
-    try:
-        array = np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"expected an array of numbers: {exc}") from None
-    if array.ndim not in (1, 2, 3) or array.size == 0:
-        raise ValueError(f"expected a non-empty 1-D, 2-D or (per head) 3-D array, got shape {list(array.shape)}")
-    if not np.isfinite(array).all():
-        raise ValueError("array contains NaN or infinite values; only finite numbers are allowed")
-    return array
-
-
-FloatArray = Annotated[
-    np.ndarray,
-    BeforeValidator(_to_float_array),
-    PlainSerializer(lambda a: a.tolist(), when_used="json"),
-    WithJsonSchema({"type": "array", "items": {}, "description": "numbers, [d_model] or [rows, d_model]"}),
-]
 
 _STRICT = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
@@ -77,14 +53,21 @@ class Intervention(BaseModel):
     `add`: h + scale * vector (with norm_match, the vector is rescaled to scale * |h| per row);
     `scale`: h * factor (0 ablates); `set`: replace rows with `values` (one row per selected
     position, or one row broadcast); `project_out`: h - (h . v) v for the unit vector v along
-    `vector`.
+    `vector`; `clamp`: h + (clip(h . v, min, max) - h . v) v, the component along v held within
+    [min, max] (either bound may be left out: `max` 0 caps a direction, `min` and `max` 0 is
+    project_out).
 
     On the attention hooks q, k, v and z (rows of n_heads x d_head), `heads` limits the edit to
     those heads: `scale` with factor 0 on `blocks.{i}.attn.hook_z` ablates them. `vector` and
     `values` are then full rows ([n_heads * d_head], or [n_heads, d_head] per row) of which only
     the chosen heads' columns are used, or one head's width [d_head], used for each chosen head.
-    `project_out` there works head by head, as on TransformerLens's [pos, head, d_head] tensor:
-    each chosen head's d_head slice loses its component along that head's unit direction.
+    `project_out` and `clamp` there work head by head, as on TransformerLens's [pos, head, d_head]
+    tensor: each chosen head's d_head slice loses (or has clamped) its component along that head's
+    unit direction.
+
+    `vector` may be the name of a vector registered with the app (serve_config `vectors`, or
+    POST /v1/vectors): the app's Router puts the array in its place (and its default hook, when
+    the request gives no `hook`) before any replica sees the request.
 
     A position listed twice in `positions` is edited once, as TransformerLens's act[:, pos] op= v
     (numpy's assignment): `set` gives it the last row listed for it. Edits at one hook run in list
@@ -93,13 +76,21 @@ class Intervention(BaseModel):
 
     model_config = _STRICT
 
-    hook: str = Field(description="Hook name; the final norm cannot be edited.")
-    op: Literal["add", "scale", "set", "project_out"]
-    vector: FloatArray | None = Field(None, description="[d_model], for add and project_out.")
+    hook: str | None = Field(
+        None,
+        description="Hook name; the final norm cannot be edited. Required, unless `vector` names a registered "
+        "vector that has a default hook.",
+    )
+    op: Literal["add", "scale", "set", "project_out", "clamp"]
+    vector: VectorOrName | None = Field(
+        None, description="[d_model], for add, project_out and clamp; or the name of a registered vector."
+    )
     scale: float = Field(1.0, description="Multiplier of `vector` for add.")
     norm_match: bool = Field(False, description="add: scale the unit vector by |row| * scale.")
     factor: float | None = Field(None, description="Multiplier for scale.")
     values: FloatArray | None = Field(None, description="set: [n_positions, d_model] or [d_model].")
+    min: float | None = Field(None, description="clamp: the least component along the unit vector (none: no floor).")
+    max: float | None = Field(None, description="clamp: the greatest component along the unit vector (none: no cap).")
     positions: Positions = "all"
     phase: Literal["prefill", "decode", "all"] = "all"
     sae_id: str | None = Field(None, description="add by SAE feature: the SAE (engine option saes), with `feature`.")
@@ -119,22 +110,17 @@ class Intervention(BaseModel):
 
     @field_validator("hook")
     @classmethod
-    def _editable_hook(cls, hook: str) -> str:
-        kind = resolve_hook(hook).kind
-        if kind == "ln_final":
-            raise ValueError(f"hook {hook!r} cannot be edited; edit a layer's hook instead")
-        if kind in PATTERN_KINDS:
-            raise ValueError(f"hook {hook!r} is computed from q and k and cannot be edited; edit hook_q or hook_k")
-        if kind == "expert_ids":
-            raise ValueError(
-                f"hook {hook!r} is the router's choice and cannot be edited; to force or forbid an expert, add "
-                f"+1e4 or -1e4 at its index to the same layer's mlp.hook_router_logits"
-            )
-        return hook
+    def _editable_hook(cls, hook: str | None) -> str | None:
+        return None if hook is None else editable_hook(hook)
+
+    @property
+    def vector_name(self) -> str | None:
+        """The registered vector this edit names, or None when it carries its array."""
+        return self.vector if isinstance(self.vector, str) else None
 
     @model_validator(mode="after")
     def _fields_match_op(self) -> "Intervention":
-        needs = {"add": "vector", "project_out": "vector", "scale": "factor", "set": "values"}[self.op]
+        needs = {"add": "vector", "project_out": "vector", "clamp": "vector", "scale": "factor", "set": "values"}[self.op]
         if self.sae_id is not None or self.feature is not None:
             _check_feature_edit(self)
         elif getattr(self, needs) is None:
@@ -142,25 +128,49 @@ class Intervention(BaseModel):
         for name in ("vector", "factor", "values"):
             if name != needs and getattr(self, name) is not None:
                 raise ValueError(f"field {name!r} does not apply to op {self.op!r} (it takes {needs!r})")
-        per_head = resolve_hook(self.hook).kind in HEAD_KINDS
-        if self.vector is not None and self.vector.ndim != 1 and not (per_head and self.vector.ndim == 2):
-            raise ValueError(f"vector must be 1-D [d_model] (or [n_heads, d_head] on q, k, v, z), got shape {list(self.vector.shape)}")
+        _check_bounds(self)
+        if self.hook is None and self.vector_name is None:
+            raise ValueError("hook: required (it may be left out only when `vector` names a registered vector with a default hook)")
+        # a named vector (and a hook left out) is checked again once the Router has put the array in its place
+        per_head = self.hook is not None and resolve_hook(self.hook).kind in HEAD_KINDS
+        array = None if self.vector_name is not None else self.vector
+        if array is not None and array.ndim != 1 and not (per_head and array.ndim == 2):
+            raise ValueError(f"vector must be 1-D [d_model] (or [n_heads, d_head] on q, k, v, z), got shape {list(array.shape)}")
         if self.values is not None and self.values.ndim == 3 and not per_head:
             raise ValueError(f"values must be [d_model] or [n_positions, d_model], got shape {list(self.values.shape)}")
-        if self.heads is not None and not per_head:
+        if self.heads is not None and self.hook is not None and not per_head:
             raise ValueError(f"heads applies to the attention hooks q, k, v and z only, not {self.hook!r}")
         if self.heads is not None and self.norm_match:
             raise ValueError("norm_match does not apply with heads (it matches the whole row's norm)")
-        # both divide by |vector|: a zero (or underflowing) vector would make every edited row NaN
-        if self.op == "project_out" and not np.linalg.norm(self.vector.astype(np.float64)) > 0:
-            raise ValueError("vector: project_out needs a non-zero vector (it removes the direction along it)")
-        if self.op == "add" and self.norm_match and self.vector is not None and not np.linalg.norm(self.vector.astype(np.float64)) > 0:
+        # each divides by |vector|: a zero (or underflowing) vector would make every edited row NaN
+        nonzero = array is None or np.linalg.norm(array.astype(np.float64)) > 0
+        if self.op in ("project_out", "clamp") and not nonzero:
+            raise ValueError(f"vector: {self.op} needs a non-zero vector (it acts on the direction along it)")
+        if self.op == "add" and self.norm_match and not nonzero:
             raise ValueError("vector: add with norm_match needs a non-zero vector (its direction is rescaled to scale * |h|)")
         if self.factor is not None and not np.isfinite(self.factor):
             raise ValueError("factor must be a finite number")
         if not np.isfinite(self.scale):
             raise ValueError("scale must be a finite number")
         return self
+
+
+def _check_bounds(edit: Intervention) -> None:
+    if edit.op != "clamp":
+        for name in ("min", "max"):
+            if getattr(edit, name) is not None:
+                raise ValueError(f"field {name!r} does not apply to op {edit.op!r} (only clamp takes min and max)")
+        return
+    if edit.min is None and edit.max is None:
+        raise ValueError("op 'clamp' needs 'min', 'max' or both: the bounds of the component along the unit vector")
+    for name in ("min", "max"):
+        if getattr(edit, name) is not None and not np.isfinite(getattr(edit, name)):
+            raise ValueError(f"{name} must be a finite number; leave it out for no bound on that side")
+    if edit.min is not None and edit.max is not None and edit.min > edit.max:
+        raise ValueError(f"min ({edit.min}) exceeds max ({edit.max}); the component is held within [min, max]")
+    given = sorted({"scale", "norm_match"} & edit.model_fields_set)
+    if given:
+        raise ValueError(f"field {given[0]!r} does not apply to op 'clamp' (it takes vector, min and max)")
 
 
 def _check_feature_edit(edit: Intervention) -> None:

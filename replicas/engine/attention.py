@@ -20,7 +20,7 @@ import numpy as np
 from replicas.api import arrays
 from replicas.api import AttentionInfo, CaptureSpec, MoeInfo
 from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, resolve_hook
-from replicas.plans.heads import HeadShapes, captured_sites, hook_width
+from replicas.plans.heads import captured_sites, head_shapes, hook_width
 from replicas.plans.request import absolute_indices
 
 
@@ -38,18 +38,6 @@ async def attention_info(llm: Any) -> AttentionInfo:
         sliding_window=[layer["sliding_window"] for layer in layers],
         sinks=[layer["sinks"] for layer in layers] if any(layer["sinks"] for layer in layers) else None,
     )
-
-
-def head_shapes(info: AttentionInfo | None) -> HeadShapes | None:
-    """(heads, d_head) of each per-head kind."""
-    if info is None:
-        return None
-    return {
-        "q": (info.n_heads, info.d_head),
-        "k": (info.n_kv_heads, info.d_head),
-        "v": (info.n_kv_heads, info.d_head_v),
-        "z": (info.n_heads, info.d_head_v),
-    }
 
 
 def finish_capture(

@@ -39,12 +39,13 @@ from replicas.arena.host import (
     ArenaLayout, ArenaReader, HeldArena, arena_blocks, arena_geometry, arena_limit_bytes, arena_path, delete_files, stored_in,
 )
 from replicas.arena.client import ArenaBudget, BatchedTake, taken_results
-from replicas.engine.attention import attention_info, head_shapes
+from replicas.engine.attention import attention_info
 from replicas.engine.edit_slots import EditSlots
 from replicas.engine.config import EngineConfig, checkpoint_facts
 from replicas.api.errors import OUTBOX_DEAD, CaptureFailedError, InvalidRequestError, ReplicaUnavailableError
 from replicas.api.hooks import served_hook_names
 from replicas.arena.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
+from replicas.plans.heads import head_shapes
 from replicas.plans.request import PLAN_KEY, build_wire_plan
 from replicas.engine.quantization import check_quantization
 from replicas.engine.results import Finish, add_captured, generation_result

@@ -1,6 +1,6 @@
 """The parts of a request's plan that concern attention: the width of each hook's rows, the q and
 k a pattern is computed from, and per-head edits as full rows with a factor per column
-(replicas.worker.sites); project_out there takes one unit direction per head. Used by `replicas.plans.request`
+(replicas.worker.sites); project_out and clamp there take one unit direction per head. Used by `replicas.plans.request`
 (engine side) and `replicas.engine.attention` (the replica). Router hooks (mixture-of-experts) have widths of their own, here too."""
 
 from __future__ import annotations
@@ -10,12 +10,24 @@ from typing import Any
 
 import numpy as np
 
-from replicas.api import CaptureSpec, MoeInfo, Positions
+from replicas.api import AttentionInfo, CaptureSpec, MoeInfo, Positions
 from replicas.api.arrays import unit
 from replicas.api.errors import PlanError
 from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, ROUTER_KINDS, HookPoint
 
 HeadShapes = Mapping[str, tuple[int, int]]  # per-head kind -> (heads, d_head)
+
+
+def head_shapes(info: AttentionInfo | None) -> HeadShapes | None:
+    """(heads, d_head) of each per-head kind."""
+    if info is None:
+        return None
+    return {
+        "q": (info.n_heads, info.d_head),
+        "k": (info.n_kv_heads, info.d_head),
+        "v": (info.n_kv_heads, info.d_head_v),
+        "z": (info.n_heads, info.d_head_v),
+    }
 
 
 def hook_width(kind: str, d_model: int, head_shapes: HeadShapes | None, moe: MoeInfo | None = None) -> int:
@@ -91,12 +103,12 @@ def head_edit(
         return array * mask
 
     vector, values = full_rows("vector", edit.vector, 2), full_rows("values", edit.values, 3)
-    if edit.op == "project_out":
+    if edit.op in ("project_out", "clamp"):
         # each head's slice is projected on its own direction, as a hook on [pos, head, d_head] would:
         # one unit vector per head (the site reduces per head), zero on heads it leaves alone
         per_head = vector.reshape(heads, d_head)
         if not per_head.any():
-            raise PlanError(f"{where}.vector: zero on the chosen heads, so there is no direction to project out")
+            raise PlanError(f"{where}.vector: zero on the chosen heads, so there is no direction to {edit.op} along")
         vector = np.stack([unit(head) if head.any() else head for head in per_head]).reshape(-1)
     if edit.op == "scale":  # the factor on the chosen heads' columns, 1 elsewhere
         return vector, values, 1.0 + (float(edit.factor) - 1.0) * mask, 1.0

@@ -8,6 +8,7 @@ numpy on the positions of the step's rows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -326,6 +327,11 @@ def _wire_edits(
     placed: dict[HookPoint, list[tuple[int, set[int] | None]]] = {}
     for i, edit in enumerate(request.interventions):
         where = f"interventions[{i}]"
+        if edit.vector_name is not None:
+            raise PlanError(
+                f"{where}.vector: {edit.vector_name!r} names a registered vector; the capserve app's Router puts "
+                "registered vectors in place (serve_config `vectors`, POST /v1/vectors), an engine takes arrays only"
+            )
         point = _armed_point(f"{where}.hook", edit.hook, n_layers, steer_kinds, "steer_kinds", absent, moe, same)
         if steer_layers is not None and point.layer not in steer_layers:
             raise PlanError(
@@ -380,6 +386,8 @@ def _wire_edits(
                 "scale": edit.scale,
                 "norm_match": edit.norm_match,
                 "factor": factor,
+                "min": edit.min,
+                "max": edit.max,
                 "positions": edit.positions,
                 "phase": edit.phase,
             }
@@ -397,12 +405,14 @@ class EditPlan:
     op: str
     positions: Positions
     phase: str
-    direction: np.ndarray | None = None  # unit vector for project_out (one per head at a per-head site); raw vector for add
+    direction: np.ndarray | None = None  # unit vector for project_out and clamp (one per head at a per-head site); raw vector for add
     values: np.ndarray | None = None
     scale: float = 1.0
     norm_match: bool = False
     factor: float = 1.0
     columns: np.ndarray | None = None  # per-head sites: a factor per column (the head selector)
+    lo: float = -math.inf  # clamp: the bounds of the component along `direction`
+    hi: float = math.inf
     slot: int = 0  # assigned by the worker
 
     @property
@@ -481,7 +491,7 @@ class RequestPlan:
 
 def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
     vector = None if wire["vector"] is None else arrays.from_raw(wire["vector"]).astype(np.float32)
-    if wire["op"] == "project_out" and vector is not None and wire["kind"] not in HEAD_KINDS:
+    if wire["op"] in ("project_out", "clamp") and vector is not None and wire["kind"] not in HEAD_KINDS:
         vector = arrays.unit(vector)  # per-head kinds: one unit direction per head already (plans.heads.head_edit)
     return EditPlan(
         site=(wire["layer"], wire["kind"]),
@@ -495,5 +505,7 @@ def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
         norm_match=bool(wire["norm_match"]),
         factor=1.0 if wire["factor"] is None else float(wire["factor"]),
         columns=None if wire.get("columns") is None else arrays.from_raw(wire["columns"]).astype(np.float32),
+        lo=-math.inf if wire.get("min") is None else float(wire["min"]),
+        hi=math.inf if wire.get("max") is None else float(wire["max"]),
     )
 

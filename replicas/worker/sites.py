@@ -7,7 +7,8 @@ reads after the step. Nothing here branches on data or leaves the device, so the
 eagerly on CPU and inside torch.compile + CUDA graphs on GPU.
 
 One stage of the per-row edit, for slot s of the row (all read from one table row):
-    h = h - (h . proj[s]) proj[s]                 # project_out (proj[0] = 0), per head at a per-head site
+    c = h . proj[s]                               # per head at a per-head site
+    h = h - (c - clip(c, lo[s], hi[s])) proj[s]   # clamp; project_out is lo = hi = 0 (and proj[0] = 0)
     h = h * factor[s]                             # scale       (factor[0] = 1)
     h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
 (a row holds one op, so |h| is the stage's input norm and one reduction pass serves both sums;
@@ -28,8 +29,9 @@ multiplied in with `factor` (1 for the identity): a head selector scales, or zer
 only its heads' columns. Its `set` is then `values + h`, where `values` is zero outside the set
 heads and `h` zero inside them, so one row can patch some heads and keep the others. Its
 project_out takes the dot product per head (`d_head` columns at a time) with a direction that is
-unit on each head it edits, so each head loses the component along its own direction, as a hook
-on TransformerLens's [pos, head, d_head] tensor would remove it.
+unit on each head it edits, so each head loses (clamp: has clipped) the component along its own
+direction, as a hook on TransformerLens's [pos, head, d_head] tensor would; the bounds are the
+same for every head.
 
 The `set` values live in one buffer that every site shares ([max_set_edits x max_tokens, d]):
 a row of the step belongs to one request, which carries at most `max_set_edits` set edits, so
@@ -48,7 +50,8 @@ from replicas.api.hooks import HookPoint
 from replicas.plans.request import EditPlan
 
 # Columns of an edit-table row after its d-wide vectors (proj, add, and columns on per-head sites).
-FACTOR_COLUMN, ADD_COEF_COLUMN, NORM_COEF_COLUMN = 0, 1, 2
+FACTOR_COLUMN, ADD_COEF_COLUMN, NORM_COEF_COLUMN, LO_COLUMN, HI_COLUMN = 0, 1, 2, 3, 4
+SCALARS = 5
 
 
 @torch.library.custom_op("capserve::stage_rows", mutates_args=("staging",))
@@ -107,9 +110,9 @@ class Site(nn.Module):
             def buffer(*shape: int, fill: float = 0.0, kind: torch.dtype = dtype) -> torch.Tensor:
                 return torch.full(shape, fill, dtype=kind, device=device)
 
-            # One row per slot: [proj (d) | add (d) | factor | add_coef | norm_coef], so a stage
-            # reads its row with a single gather; slot 0 (factor 1, the rest 0) is the identity.
-            table = buffer(edit_stages, edit_slots, self.vectors * d_model + 3)
+            # One row per slot: [proj (d) | add (d) | factor | add_coef | norm_coef | lo | hi], so a
+            # stage reads its row with a single gather; slot 0 (factor 1, the rest 0) is the identity.
+            table = buffer(edit_stages, edit_slots, self.vectors * d_model + SCALARS)
             table[:, :, self.vectors * d_model + FACTOR_COLUMN] = 1.0
             if per_column:
                 table[:, :, 2 * d_model : 3 * d_model] = 1.0
@@ -148,13 +151,15 @@ class Site(nn.Module):
             factor = factor * row[:, 2 * d : 3 * d]
         add_coef = row[:, scalars + ADD_COEF_COLUMN].unsqueeze(-1)
         norm_coef = row[:, scalars + NORM_COEF_COLUMN].unsqueeze(-1)
+        lo, hi = row[:, scalars + LO_COLUMN, None, None], row[:, scalars + HI_COLUMN, None, None]  # per row, for every head
         x = h.float()
         # A table row holds one op, so when the add is norm-matched the row's direction is 0 and
         # its factor 1, and the norm it needs is the input's.
         per_head, direction = x.unflatten(-1, (-1, self.d_head)), direction.unflatten(-1, (-1, self.d_head))
         dot = (per_head * direction).sum(-1, keepdim=True)
         norm = (x * x).sum(-1, keepdim=True).sqrt()
-        x = (per_head - dot * direction).flatten(-2) * factor
+        # the component past [lo, hi] goes: all of it for project_out (lo = hi = 0), none where the direction is 0
+        x = (per_head - (dot - torch.clamp(dot, lo, hi)) * direction).flatten(-2) * factor
         # the norm enters only rows whose op asked for it
         x = x + add * (add_coef + torch.where(norm_coef != 0, norm_coef * norm, 0.0))
         values = self.values.index_select(0, self.set_row[:n])
@@ -178,7 +183,7 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def identity_row(d_model: int, per_column: bool = False) -> np.ndarray:
     vectors = 3 if per_column else 2
-    row = np.zeros(vectors * d_model + 3, dtype=np.float32)
+    row = np.zeros(vectors * d_model + SCALARS, dtype=np.float32)
     row[vectors * d_model + FACTOR_COLUMN] = 1.0
     if per_column:
         row[2 * d_model : 3 * d_model] = 1.0
@@ -195,6 +200,9 @@ def table_row(edit: EditPlan, d_model: int, per_column: bool = False) -> np.ndar
     scalars = (3 if per_column else 2) * d_model
     if edit.op == "project_out":
         row[:d_model] = edit.direction
+    elif edit.op == "clamp":  # an open side's infinite bound clips nothing (the table's dtype holds inf)
+        row[:d_model] = edit.direction
+        row[scalars + LO_COLUMN], row[scalars + HI_COLUMN] = edit.lo, edit.hi
     elif edit.op == "scale":
         row[scalars + FACTOR_COLUMN] = edit.factor
     elif edit.op == "add" and edit.norm_match:
