@@ -226,3 +226,16 @@ def test_the_second_context_sets_its_memory_limits_to_zero_and_is_destroyed_when
     with pytest.raises(AttributeError):
         context_switch.SecondContext.open(0)
     assert [name for name, _ in driver.calls][-1] == "cuCtxDestroy_v2"
+
+
+def test_the_compile_cache_key_leaves_out_what_changes_every_start():
+    """vLLM hashes additional_config into its compile-cache key: two starts of the same settings
+    (another arena folder, another owning process) share it, other settings do not."""
+    first = EngineConfig(model="m").engine_args("/dev/shm/capserve-a", owner={"pid": 1, "start_ticks": 10})
+    again = EngineConfig(model="m").engine_args("/dev/shm/capserve-b", owner={"pid": 2, "start_ticks": 20})
+    other = EngineConfig(model="m", armed_kinds=["resid_post"]).engine_args("/dev/shm/capserve-a")
+    key = first["additional_config"].compute_hash()
+    assert key == again["additional_config"].compute_hash() != other["additional_config"].compute_hash()
+    assert first["additional_config"].get("capserve")["spill_dir"] == "/dev/shm/capserve-a"
+    cached = EngineConfig(model="m", compile_cache_dir="/cache/vllm", engine_kwargs={"compilation_config": {"mode": 3}})
+    assert cached.engine_args()["compilation_config"] == {"mode": 3, "cache_dir": "/cache/vllm"}

@@ -34,6 +34,35 @@ LOCKED_REASON = (
 
 DEFAULT_ARENA_RESERVE_BYTES = {"gpu": 1 << 30, "cpu": 64 << 20}
 
+class WorkerOptions:
+    """capserve's options for its worker, riding in vLLM's `additional_config` (read back by
+    `_vllm.capserve_options` as `additional_config.get("capserve")`). vLLM folds additional_config
+    into the key of its compile cache (`VllmConfig.compute_hash`); as a plain dict the per-start
+    fields (the arena's folder, the owning process) made every start a new key, so a restarted
+    replica recompiled for minutes. Here they stay out of the hash: the same model and settings
+    find the graphs compiled before."""
+
+    PER_START = ("spill_dir", "owner")
+
+    def __init__(self, capserve: dict[str, Any]):
+        self.capserve = capserve
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.capserve if key == "capserve" else default
+
+    def __getitem__(self, key: str) -> Any:
+        if key != "capserve":
+            raise KeyError(key)
+        return self.capserve
+
+    def compute_hash(self) -> str:
+        import hashlib
+        import json
+
+        lasting = {k: v for k, v in self.capserve.items() if k not in self.PER_START}
+        return hashlib.sha256(json.dumps(lasting, sort_keys=True, default=str).encode()).hexdigest()
+
+
 # Kinds a request can read but not edit, and what to edit instead.
 READ_ONLY_KINDS: dict[str, str] = {
     **{kind: "is computed from q and k on the replica and cannot be edited; edit q or k instead" for kind in PATTERN_KINDS},
@@ -72,6 +101,11 @@ class EngineConfig(BaseModel):
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size; CPU default 1 GiB.")
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA graphs on GPU.")
     load_format: str = "auto"
+    compile_cache_dir: str | None = Field(
+        None, description="Folder of vLLM's torch.compile cache (default: vLLM's, under ~/.cache/vllm). Replicas of "
+        "the same model and settings share its entries, restarts included; a folder on a shared disk lets a "
+        "replacement replica on another node skip compilation too.",
+    )
     quantization: str | None = Field(
         None, description="Have vLLM quantize the float checkpoint as it loads it: fp8 on the GPU, fp8_per_block on "
         "CPU (dense models). A pre-quantized checkpoint (AWQ, GPTQ) needs none. Methods capserve has not checked "
@@ -303,8 +337,8 @@ class EngineConfig(BaseModel):
         }
         if on_cpu and self.kv_cache_memory_bytes is None:
             args["kv_cache_memory_bytes"] = 1 << 30
-        args["additional_config"] = {
-            "capserve": {
+        args["additional_config"] = WorkerOptions(
+            {
                 "block_shape": shape,
                 "moe": asdict(moe) if moe is not None else None,
                 "armed_kinds": list(self.armed_kinds or LAYER_KINDS),
@@ -330,7 +364,9 @@ class EngineConfig(BaseModel):
                 "spill_dir": spill_dir,
                 "owner": owner,
             }
-        }
+        )
+        if self.compile_cache_dir is not None:
+            args["compilation_config"] = {**(args.get("compilation_config") or {}), "cache_dir": self.compile_cache_dir}
         return args
 
     def steerable_kinds(self) -> list[str]:
