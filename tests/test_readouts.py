@@ -445,3 +445,70 @@ def test_a_tuned_lens_without_one_loaded_is_a_clear_error() -> None:
         build_wire_plan("k", request, prompt_len=3, n_layers=N_LAYERS, d_model=D_MODEL, armed_kinds={"resid_pre"},
                         steer_kinds=set(), edit_stages=1, max_capture_bytes=1 << 20, d_vocab=50,
                         readouts=ReadoutCatalog(None, {}))
+
+
+# ---------------------------------------------------------------- conditional steering (a probe decides)
+
+
+def test_a_probe_gated_add_steers_only_where_the_probe_fires_as_hf_does(loop, engines, files: SimpleNamespace) -> None:
+    """`when: {probe, output, above}`: the add lands on the rows whose probe output, taken on the
+    hook's own value in the same forward, exceeds the threshold (about half the prompt here); the
+    others stay bit for bit; tokens and logits equal HF with the same gated edit; a request beside
+    it is unchanged; `below` gates the complement."""
+    engine, path = engines.fp32, engines.llama
+    prompt = prompt_ids(24, seed=31)
+    w, b = files.sentiment
+    plain = loop.run(engine.generate({"prompt": prompt, "max_tokens": 1, "capture": {"hooks": [PROBE_HOOK]}}))
+    scores = plain.activations[PROBE_HOOK] @ w[1] + b[1]
+    threshold = float(np.median(scores))
+    vector = np.random.default_rng(9).standard_normal(D_MODEL).astype(np.float32)
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logits": {"positions": "all"},
+            "capture": {"hooks": [PROBE_HOOK]}}
+
+    def gated(test: str) -> dict:
+        return {"hook": PROBE_HOOK, "op": "add", "vector": vector, "scale": 2.0,
+                "when": {"probe": "sentiment", "output": 1, test: threshold}}
+
+    async def batch() -> list[GenerateResult]:
+        return await asyncio.gather(engine.generate(base | {"interventions": [gated("above")]}),
+                                    engine.generate(base | {"interventions": [gated("below")]}), engine.generate(base))
+
+    above, below, beside = loop.run(batch())
+    n = len(prompt)
+    fired = scores > threshold
+    assert 0 < fired.sum() < n
+    for result, where in ((above, fired), (below, scores < threshold)):
+        delta = result.activations[PROBE_HOOK][:n] - beside.activations[PROBE_HOOK][:n]
+        np.testing.assert_array_equal(delta[~where], 0)
+        assert_close(delta[where], np.broadcast_to(2.0 * vector, delta[where].shape), atol=1e-5, rtol=1e-5)
+    layer, kind = site(PROBE_HOOK)
+    shift = torch.from_numpy(2.0 * vector)
+    probe_w, probe_b = torch.from_numpy(w[1]), float(b[1])
+
+    def hf_gated(x: torch.Tensor) -> torch.Tensor:
+        return x + ((x @ probe_w + probe_b) > threshold).unsqueeze(-1) * shift
+
+    from tests.hf_reference import hf_greedy, hf_logits
+
+    edits = [(layer, kind, hf_gated)]
+    assert above.token_ids == hf_greedy(path, prompt, 4, edits=edits)
+    assert_close(above.logits, hf_logits(path, prompt + above.token_ids[:-1], edits=edits), atol=1e-3)
+    assert_close(beside.logits, hf_logits(path, prompt + beside.token_ids[:-1]), atol=1e-3)
+
+
+def test_a_condition_names_its_field_when_it_cannot_be_decided(loop, engines) -> None:
+    engine = engines.fp32
+    vector = [0.0] * D_MODEL
+    cases = [
+        ({"hook": "blocks.1.hook_resid_post", "when": {"probe": "sentiment", "above": 0.0}},
+         r"interventions\[0\].when.probe: probe 'sentiment' reads 'blocks.2.hook_resid_post', not the edited hook"),
+        ({"hook": PROBE_HOOK, "when": {"probe": "nope", "above": 0.0}}, r"interventions\[0\].when.probe: unknown probe 'nope'"),
+        ({"hook": PROBE_HOOK, "when": {"probe": "sentiment", "output": 3, "above": 0.0}}, r"when.output: 3 is out of range"),
+        ({"hook": PROBE_HOOK, "when": {"vector": [1.0] * 5, "above": 0.0}}, r"when.vector: width 5 does not match the hook's 128"),
+        ({"hook": PROBE_HOOK, "when": {"sae_id": "none", "feature": 1, "above": 0.0}}, r"when.sae_id: unknown SAE 'none'"),
+    ]
+    for edit, message in cases:
+        request = {"prompt": prompt_ids(8, seed=1), "max_tokens": 2,
+                   "interventions": [{"op": "add", "vector": vector} | edit]}
+        with pytest.raises(InvalidRequestError, match=message):
+            loop.run(engine.generate(request))

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from replicas.api import arrays
+from replicas.api.conditions import Condition
 from replicas.api.fields import FloatArray, Positions, ResultArray, VectorOrName
 from replicas.api.hooks import HEAD_KINDS, editable_hook, resolve_hook
 from replicas.api.readouts import ReadoutList, ReadoutResult
@@ -100,6 +101,10 @@ class Intervention(BaseModel):
     heads: list[int] | None = Field(
         None, min_length=1, description="Attention hooks only: the heads to edit (default: every head)."
     )
+    when: Condition | None = Field(
+        None, description="add only: apply at the positions where a read-out of the hook crosses a threshold "
+        "(replicas.api.conditions), decided per row in the forward."
+    )
 
     @field_validator("heads")
     @classmethod
@@ -129,6 +134,8 @@ class Intervention(BaseModel):
             if name != needs and getattr(self, name) is not None:
                 raise ValueError(f"field {name!r} does not apply to op {self.op!r} (it takes {needs!r})")
         _check_bounds(self)
+        if self.when is not None and self.op != "add":
+            raise ValueError(f"when: conditional steering takes op 'add', not {self.op!r}")
         if self.hook is None and self.vector_name is None:
             raise ValueError("hook: required (it may be left out only when `vector` names a registered vector with a default hook)")
         # a named vector (and a hook left out) is checked again once the Router has put the array in its place

@@ -47,6 +47,7 @@ from replicas.api.hooks import served_hook_names
 from replicas.arena.lifeline import SPILL_PREFIX, Owner, Progress, Sweeper
 from replicas.plans.heads import head_shapes
 from replicas.plans.request import PLAN_KEY, build_wire_plan
+from replicas.engine.gates import resolve_conditions
 from replicas.engine.quantization import check_quantization
 from replicas.engine.results import Finish, add_captured, generation_result
 from replicas.readouts.specs import ReadoutCatalog
@@ -377,7 +378,8 @@ class CaptureEngine:
         try:
             plan = build_wire_plan(
                 key,
-                self.saes.resolve_features(request),  # add by SAE feature -> add of its decoder row
+                # add by SAE feature -> add of its decoder row; `when` by probe or feature -> its inline read-out
+                resolve_conditions(self.saes.resolve_features(request), self.readouts, self.saes),
                 prompt_len=len(prompt_ids),
                 n_layers=self._info.n_layers,
                 d_model=self._info.d_model,

@@ -65,4 +65,7 @@ def _op_key(edit: dict[str, Any]) -> tuple:
     if edit["op"] == "set":
         return (*where, "set", columns)
     vector = edit["vector"]["data"] if edit["vector"] is not None else None
-    return (*where, edit["op"], vector, edit["scale"], edit["norm_match"], edit["factor"], columns, edit.get("min"), edit.get("max"))
+    gate = edit.get("gate")
+    gate_key = None if gate is None else (gate["vector"]["data"], gate["bias"], gate["threshold"])
+    return (*where, edit["op"], vector, edit["scale"], edit["norm_match"], edit["factor"], columns, edit.get("min"),
+            edit.get("max"), gate_key)

@@ -349,6 +349,7 @@ def _wire_edits(
                 array = getattr(edit, name)
                 if array is not None and array.shape[-1] != width:
                     raise PlanError(f"{where}.{name}: width {array.shape[-1]} does not match {what}={width}")
+        gate = None if edit.when is None else _wire_gate(f"{where}.when", edit.when, point, hook_width(point.kind, d_model, head_shapes, moe))
         if values is not None and values.ndim == 2 and values.shape[0] != 1:
             needed = count_positions(edit.positions, prompt_len, request.max_tokens)
             if edit.positions in ("all", "generated"):
@@ -388,11 +389,26 @@ def _wire_edits(
                 "factor": factor,
                 "min": edit.min,
                 "max": edit.max,
+                "gate": gate,
                 "positions": edit.positions,
                 "phase": edit.phase,
             }
         )
     return edits
+
+
+def _wire_gate(where: str, when: Any, point: HookPoint, width: int) -> dict[str, Any]:
+    """A resolved condition as the worker's test `x . vector + bias > threshold` (`below` flips all three)."""
+    if when.vector is None:
+        source = "probe" if when.probe is not None else "sae_id"
+        raise PlanError(f"{where}.{source}: this replica resolves no {source}s (they need its engine options probes / saes)")
+    if point.kind in HEAD_KINDS:
+        raise PlanError(f"{where}: conditional steering reads a whole row; per-head hooks (q, k, v, z) are not served")
+    if when.vector.shape[-1] != width:
+        raise PlanError(f"{where}.vector: width {when.vector.shape[-1]} does not match the hook's {width}")
+    sign = 1.0 if when.above is not None else -1.0
+    return {"vector": arrays.to_raw(sign * when.vector.astype(np.float32)), "bias": sign * when.bias,
+            "threshold": sign * when.threshold}
 
 
 # ---------------------------------------------------------------- worker side
@@ -413,6 +429,7 @@ class EditPlan:
     columns: np.ndarray | None = None  # per-head sites: a factor per column (the head selector)
     lo: float = -math.inf  # clamp: the bounds of the component along `direction`
     hi: float = math.inf
+    gate: tuple[np.ndarray, float, float] | None = None  # add only where x . vector + bias > threshold
     slot: int = 0  # assigned by the worker
 
     @property
@@ -507,5 +524,7 @@ def _edit_from_wire(wire: dict[str, Any]) -> EditPlan:
         columns=None if wire.get("columns") is None else arrays.from_raw(wire["columns"]).astype(np.float32),
         lo=-math.inf if wire.get("min") is None else float(wire["min"]),
         hi=math.inf if wire.get("max") is None else float(wire["max"]),
+        gate=None if wire.get("gate") is None else (arrays.from_raw(wire["gate"]["vector"]).astype(np.float32),
+                                                    float(wire["gate"]["bias"]), float(wire["gate"]["threshold"])),
     )
 

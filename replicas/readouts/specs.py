@@ -188,7 +188,7 @@ class ReadoutCatalog:
             where = f"readouts[{i}]"
             translator, probe = -1, None
             if spec.kind == "probe":
-                probe = self._probe(f"{where}.probe", spec.probe)
+                probe = self.probe(f"{where}.probe", spec.probe)
                 point = armed(f"{where}.hook", probe.hook)
                 if spec.hook is not None and armed(f"{where}.hook", spec.hook) != point:
                     raise PlanError(f"{where}.hook: {spec.hook!r} is not the hook probe {spec.probe!r} reads ({probe.hook!r})")
@@ -211,7 +211,7 @@ class ReadoutCatalog:
             })
         return wired
 
-    def _probe(self, field_name: str, name: str) -> ProbeFacts:
+    def probe(self, field_name: str, name: str) -> ProbeFacts:
         facts = self.probes.get(name)
         if facts is None:
             served = sorted(self.probes) or "none"

@@ -10,7 +10,10 @@ One stage of the per-row edit, for slot s of the row (all read from one table ro
     c = h . proj[s]                               # per head at a per-head site
     h = h - (c - clip(c, lo[s], hi[s])) proj[s]   # clamp; project_out is lo = hi = 0 (and proj[0] = 0)
     h = h * factor[s]                             # scale       (factor[0] = 1)
-    h = h + add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
+    h = h + gate * add[s] * (add_coef[s] + norm_coef[s] * |h|)   # add, optionally norm-matched
+where gate is 1, or for a conditional add (`gated`) whether c + gate_bias[s] > threshold[s]: its
+row holds the read-out's direction in proj with open bounds (lo = -inf, hi = inf), so c is the
+read-out and nothing is projected away.
 (a row holds one op, so |h| is the stage's input norm and one reduction pass serves both sums;
 the stage computes in float32 and rounds once to the model dtype)
     h = values[set_row[row]] where set_stage[row] == stage  # set (activation patching)
@@ -51,7 +54,8 @@ from replicas.plans.request import EditPlan
 
 # Columns of an edit-table row after its d-wide vectors (proj, add, and columns on per-head sites).
 FACTOR_COLUMN, ADD_COEF_COLUMN, NORM_COEF_COLUMN, LO_COLUMN, HI_COLUMN = 0, 1, 2, 3, 4
-SCALARS = 5
+GATED_COLUMN, GATE_BIAS_COLUMN, GATE_THRESHOLD_COLUMN = 5, 6, 7
+SCALARS = 8
 
 
 @torch.library.custom_op("capserve::stage_rows", mutates_args=("staging",))
@@ -161,7 +165,10 @@ class Site(nn.Module):
         # the component past [lo, hi] goes: all of it for project_out (lo = hi = 0), none where the direction is 0
         x = (per_head - (dot - torch.clamp(dot, lo, hi)) * direction).flatten(-2) * factor
         # the norm enters only rows whose op asked for it
-        x = x + add * (add_coef + torch.where(norm_coef != 0, norm_coef * norm, 0.0))
+        gated = row[:, scalars + GATED_COLUMN] != 0
+        fires = (dot[:, 0, 0] + row[:, scalars + GATE_BIAS_COLUMN]) > row[:, scalars + GATE_THRESHOLD_COLUMN]
+        gate = torch.where(gated, fires.float(), 1.0).unsqueeze(-1)
+        x = x + gate * add * (add_coef + torch.where(norm_coef != 0, norm_coef * norm, 0.0))
         values = self.values.index_select(0, self.set_row[:n])
         if self.per_column:  # the row's `columns` zeroed the heads it sets
             values = (values.float() + x).to(h.dtype)
@@ -205,7 +212,11 @@ def table_row(edit: EditPlan, d_model: int, per_column: bool = False) -> np.ndar
         row[scalars + LO_COLUMN], row[scalars + HI_COLUMN] = edit.lo, edit.hi
     elif edit.op == "scale":
         row[scalars + FACTOR_COLUMN] = edit.factor
-    elif edit.op == "add" and edit.norm_match:
+    if edit.gate is not None:  # the read-out's direction where clamp keeps its own, with bounds that clip nothing
+        row[:d_model] = edit.gate[0]
+        row[scalars + LO_COLUMN], row[scalars + HI_COLUMN] = -np.inf, np.inf
+        row[scalars + GATED_COLUMN], row[scalars + GATE_BIAS_COLUMN], row[scalars + GATE_THRESHOLD_COLUMN] = 1.0, edit.gate[1], edit.gate[2]
+    if edit.op == "add" and edit.norm_match:
         row[d_model : 2 * d_model] = unit(edit.direction)
         row[scalars + NORM_COEF_COLUMN] = edit.scale
     elif edit.op == "add":
