@@ -17,7 +17,7 @@ from bench.load import Fleet, Mix, Stream, wait_engine_gone, wait_until
 from replicas.tiny import make_tiny_model
 from tests.reliability.reference import Reference
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.soak]
 
 ARGS = {
     "autoscaling": {

@@ -116,6 +116,7 @@ def reference() -> Reference:
 # ---------------------------------------------------------------- 1. load
 
 
+@pytest.mark.soak
 def test_1000_concurrent_mixed_requests_succeed_or_get_backpressure(app, loop, reference, figures):
     before = app.healthy()
     mix = Mix(max_tokens=4)
@@ -336,6 +337,7 @@ def wait_busy(app: App, victim: dict[str, Any]) -> None:
     wait_until(busy, "the victim to hold requests", 120, 0.2)
 
 
+@pytest.mark.soak
 def test_fault_kill_a_replica_actor_under_load_loses_nothing(app, loop, reference, figures):
     import ray
 
@@ -348,6 +350,7 @@ def test_fault_kill_a_replica_actor_under_load_loses_nothing(app, loop, referenc
     assert result["lost_accepted"] == 0, result
 
 
+@pytest.mark.soak
 def test_fault_kill_the_engine_process_under_load_loses_nothing(app, loop, reference, figures):
     def inject(fleet: list[dict[str, Any]]) -> dict[str, Any]:
         victim = fleet[0]
@@ -359,6 +362,7 @@ def test_fault_kill_the_engine_process_under_load_loses_nothing(app, loop, refer
     assert result["lost_accepted"] == 0, result
 
 
+@pytest.mark.soak
 def test_fault_hung_replica_fails_its_health_check_and_loses_nothing(app, loop, reference, figures):
     def inject(fleet: list[dict[str, Any]]) -> dict[str, Any]:
         victim = fleet[0]
@@ -376,6 +380,7 @@ def test_fault_hung_replica_fails_its_health_check_and_loses_nothing(app, loop, 
     assert result["lost_accepted"] == 0, result
 
 
+@pytest.mark.soak
 def test_fault_restart_the_whole_app_under_load_loses_nothing(app, loop, reference, figures):
     from ray import serve
 
