@@ -168,3 +168,18 @@ def editable_hook(hook: str) -> str:
             f"+1e4 or -1e4 at its index to the same layer's mlp.hook_router_logits"
         )
     return hook
+
+
+def served_point(where: str, hook: str, n_layers: int, armed_kinds: Iterable[str], absent: dict[str, str]) -> HookPoint:
+    """The point a start-up option (an SAE's or a probe's hook) reads, checked against the model and
+    the deployment; errors name `<where>.hook`."""
+    try:
+        point = resolve_hook(hook, n_layers)
+    except ValueError as exc:
+        raise ValueError(f"{where}.hook: {exc}") from None
+    if point.kind in absent:
+        raise ValueError(f"{where}.hook: {hook!r} does not exist in this model: {absent[point.kind]}")
+    if point.kind != "ln_final" and point.kind not in armed_kinds:
+        raise ValueError(f"{where}.hook: {hook!r} is of kind {point.kind!r}, which this deployment does not serve; "
+                         f"armed kinds: {sorted(armed_kinds)} (engine option armed_kinds)")
+    return point

@@ -25,6 +25,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.api import GenerateRequest, HookPoint, ReadoutResult, arrays, resolve_hook
+from replicas.api.hooks import served_point
 from replicas.api.errors import PlanError
 from replicas.api.readouts import check_lens_hook
 from replicas.plans.readouts import ReadoutPlan
@@ -154,15 +155,7 @@ def check_readouts(
         where = f"probes.{name}"
         if facts.d_in != d_model:
             raise ValueError(f"{where}.path: weight is [{facts.n_out}, {facts.d_in}]; its width must be the model's d_model={d_model}")
-        try:
-            point = resolve_hook(facts.hook, n_layers)
-        except ValueError as exc:
-            raise ValueError(f"{where}.hook: {exc}") from None
-        if point.kind in absent:
-            raise ValueError(f"{where}.hook: {facts.hook!r} does not exist in this model: {absent[point.kind]}")
-        if point.kind != "ln_final" and point.kind not in armed_kinds:
-            raise ValueError(f"{where}.hook: {facts.hook!r} is of kind {point.kind!r}, which this deployment does not "
-                             f"serve; armed kinds: {sorted(armed_kinds)} (engine option armed_kinds)")
+        served_point(where, facts.hook, n_layers, armed_kinds, absent)
 
 
 class ReadoutCatalog:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.api import arrays
 from replicas.api import GenerateRequest, SaeFeatures
-from replicas.api.hooks import HookPoint, resolve_hook
+from replicas.api.hooks import HookPoint, resolve_hook, served_point
 from replicas.plans.request import (
     PlanError,
     SaePlan,
@@ -151,17 +151,7 @@ def check_saes(
         where = f"saes.{sae_id}"
         if facts.d_in != d_model:
             raise ValueError(f"{where}: d_in={facts.d_in} (cfg.json) does not match the model's d_model={d_model}")
-        try:
-            point = resolve_hook(facts.hook, n_layers)
-        except ValueError as exc:
-            raise ValueError(f"{where}.hook: {exc}") from None
-        if point.kind in absent:
-            raise ValueError(f"{where}.hook: {facts.hook!r} does not exist in this model: {absent[point.kind]}")
-        if point.kind != "ln_final" and point.kind not in armed_kinds:
-            raise ValueError(
-                f"{where}.hook: {facts.hook!r} is of kind {point.kind!r}, which this deployment does not serve; "
-                f"armed kinds: {sorted(armed_kinds)} (engine option armed_kinds)"
-            )
+        served_point(where, facts.hook, n_layers, armed_kinds, absent)
         _check_weights(facts)
 
 
