@@ -76,11 +76,13 @@ def case_fields(case: str, n_layers: int) -> dict[str, Any]:
     return {}
 
 
-def app_args(config: str, model: str, replicas: int, slots: int, max_load: int, device: str) -> dict[str, Any]:
+def app_args(config: str, model: str, replicas: int, slots: int, max_load: int, device: str,
+             replicas_per_gpu: int = 1) -> dict[str, Any]:
     return {
         "model": model,
         "device": device,
         "num_replicas": replicas,
+        "replicas_per_gpu": replicas_per_gpu,
         "replica_max_ongoing_requests": slots,
         # The overload run puts max_load x capacity requests in flight at once; none may be refused.
         "max_queued_requests": max_load * replicas * slots,
@@ -151,9 +153,9 @@ def run_one(args: argparse.Namespace, n: int) -> None:
     workload = PER_REPLICA[args.config]
     slots = args.max_ongoing or workload.prompts
     capacity = n * slots
-    path = result_path(f"scaling_{args.config}", args.out)
+    path = result_path(result_name(args), args.out)
     run: dict[str, Any] = {
-        "replicas": n, "environment": environment(), "replica_max_ongoing_requests": slots, "capacity": capacity,
+        "replicas": n, "replicas_per_gpu": min(n, args.replicas_per_gpu), "environment": environment(), "replica_max_ongoing_requests": slots, "capacity": capacity,
         "per_replica_workload": workload.name, "gpu_memory_used_mib_before": gpu_memory_used_mib(),
         "load_average_before": load_average(), "cases": {},
     }
@@ -168,7 +170,8 @@ def run_one(args: argparse.Namespace, n: int) -> None:
     start_serve(num_cpus=4 if args.device == "cpu" else None)  # as the tests: room for 2 CPU replicas
     try:
         model = dummy_model_folder(args.config)
-        handle = serve.run(build_app(app_args(args.config, model, n, slots, max(args.loads), args.device)),
+        handle = serve.run(build_app(app_args(args.config, model, n, slots, max(args.loads), args.device,
+                                              min(n, args.replicas_per_gpu))),
                            name="capserve", route_prefix="/")
         run["boot_s"] = time.perf_counter() - started
         print(f"N={n}: app up in {run['boot_s']:.0f} s", flush=True)
@@ -238,6 +241,10 @@ def print_table(path: Path) -> None:
 # ---------------------------------------------------------------- entry
 
 
+def result_name(args: argparse.Namespace) -> str:
+    return f"scaling_{args.config}" + (f"_{args.replicas_per_gpu}_per_gpu" if args.replicas_per_gpu > 1 else "")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="llama8b", choices=CONFIGS)
@@ -248,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-ongoing", type=int, default=None,
                         help="replica_max_ongoing_requests (default: the per-replica prompt count, 512)")
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "gpu"], help="default: cpu for tiny, else gpu")
+    parser.add_argument("--replicas-per-gpu", type=int, default=1,
+                        help="replicas sharing a GPU (replicas_per_gpu, at most N): with 2, --replicas 1 2 compares one replica "
+                             "holding the whole GPU with two sharing it")
     parser.add_argument("--deadline-s", type=int, default=540,
                         help="stop a replica count after this long (0 = never): the GPU host kills commands at 600 s")
     parser.add_argument("--merge", nargs="*", default=[], help="earlier scaling JSON files to merge in")
@@ -257,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    path = result_path(f"scaling_{args.config}", args.out)
+    path = result_path(result_name(args), args.out)
     args.device = args.device or default_device(args.config)
     if len(args.replicas) == 1:
         run_one(args, args.replicas[0])

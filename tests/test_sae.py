@@ -108,6 +108,21 @@ def test_encode_equals_saelens(sae_dirs: dict[str, str], tmp_path: Path) -> None
         np.testing.assert_array_equal(residual.float().numpy(), error, err_msg=f"{kind} {dtype}")
 
 
+def test_a_topk_block_without_errors_takes_one_top_k(sae_dirs: dict[str, str]) -> None:
+    """TopK with no error asked packs the k_max largest pre-activations directly: the same block as
+    the top k_max of the dense activations, for k_max up to the SAE's k; SAELens < 6's TopK too."""
+    x = torch.randn(32, D_MODEL, generator=torch.Generator().manual_seed(3)) * 2
+    for kind in ("topk", "topk_pre6"):
+        sae = DeviceSae.load(read_facts(kind, {"path": sae_dirs[kind]}))
+        for k_max in (1, sae.facts.k // 2, sae.facts.k):
+            ids, values = top_features(sae.encode(x)[0], k_max)
+            packed = encode_packed(sae, x, k_max, "none")
+            assert packed.shape == (32, 2 * k_max)
+            np.testing.assert_array_equal(packed[:, k_max:].view(torch.float32).numpy(), values.numpy(), err_msg=f"{kind} {k_max}")
+            np.testing.assert_array_equal(packed[:, :k_max].numpy(), ids.numpy(), err_msg=f"{kind} {k_max}")
+            assert (ids[:, 0] >= 0).all()  # random rows: some feature of each is active
+
+
 def test_top_features_and_packing_round_trip(sae_dirs: dict[str, str]) -> None:
     acts = torch.tensor([[0.0, 3.0, 0.5, 0.0], [1.0, 0.0, 0.0, 2.0]])
     ids, values = top_features(acts, 3)

@@ -1,10 +1,12 @@
 """The fleet's faults on GPUs (not CI): two replicas of the dummy Llama-3.1-8B, one GPU each, a
-stream of mixed requests from a client, and three faults in turn:
+stream of mixed requests from a client, and four faults in turn:
 
 - kill_replica_actor: `ray.kill` of a replica actor under load;
 - kill_engine_core: SIGKILL of a replica's vLLM engine core;
 - hang_replica: a replica's event loop blocked (fault injection), until Serve's health check
-  replaces it.
+  replaces it;
+- redeploy: the app deployed again with a changed config (as `serve deploy` does): both replicas
+  roll over under load.
 
 Per fault: requests and their outcomes (lost = accepted but no correct result), the seconds until
 two replicas serve again, whether the victim's engine left a process or shared memory behind, the
@@ -111,43 +113,57 @@ def gpu_processes() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- the faults
 
 
-def kill_actor(fleet: Fleet, victim: dict[str, Any]) -> None:
+def kill_actor(fleet: Fleet, victim: dict[str, Any], app: dict[str, Any]) -> None:
     import ray
 
     ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
 
 
-def kill_engine(fleet: Fleet, victim: dict[str, Any]) -> None:
+def kill_engine(fleet: Fleet, victim: dict[str, Any], app: dict[str, Any]) -> None:
     kill_pids([engine_core(victim)])
 
 
-def hang(fleet: Fleet, victim: dict[str, Any]) -> None:
+def hang(fleet: Fleet, victim: dict[str, Any], app: dict[str, Any]) -> None:
     # broadcast sends when results are asked for; the victim never answers
     answers = fleet.replicas.broadcast("stall", victim["replica"], 500.0)
     threading.Thread(target=lambda: answers.results(timeout_s=10, return_exceptions=True), daemon=True).start()
 
 
-FAULTS: dict[str, Callable[[Fleet, dict[str, Any]], None]] = {
+def redeploy(fleet: Fleet, victim: dict[str, Any], app: dict[str, Any]) -> None:
+    # `serve deploy` of a changed config: every replica rolls over, each draining before it stops
+    from ray import serve
+
+    from deploy.app import build_app
+
+    changed = app | {"drain_timeout_s": app["drain_timeout_s"] + 1}
+    threading.Thread(target=serve.run, args=(build_app(changed),), kwargs={"name": "capserve", "route_prefix": "/"},
+                     daemon=True).start()
+
+
+FAULTS: dict[str, Callable[[Fleet, dict[str, Any], dict[str, Any]], None]] = {
     "kill_replica_actor": kill_actor,
     "kill_engine_core": kill_engine,
     "hang_replica": hang,
+    "redeploy": redeploy,
 }
 
 
-def replaced(fleet: Fleet, victim: dict[str, Any]) -> bool:
+def replaced(fleet: Fleet, gone: set[str]) -> bool:
     names = fleet.replica_names()
-    return victim["replica"] not in names and len(names) == 2 and fleet.running() == 2
+    return not gone & set(names) and len(names) == 2 and fleet.running() == 2
 
 
-def run_fault(fleet: Fleet, loop: asyncio.AbstractEventLoop, mix: TokenMix, name: str, concurrency: int) -> dict[str, Any]:
+def run_fault(fleet: Fleet, loop: asyncio.AbstractEventLoop, mix: TokenMix, name: str, concurrency: int,
+              app: dict[str, Any]) -> dict[str, Any]:
     wait_until(lambda: fleet.running() == 2 and len(fleet.identities()) == 2, "two replicas", RECOVERY_TIMEOUT_S)
     before = fleet.identities()
     victim = before[0]
     stream = asyncio.run_coroutine_threadsafe(
         Stream(fleet.router, mix, verify, concurrency, 10**6, deadline_s=1200, timeout_s=900).start(), loop).result()
     wait_until(lambda: stream.tally.counts["ok"] >= concurrency, "the stream to warm up", 600, 0.5)
-    FAULTS[name](fleet, victim)
-    recovery_s = wait_until(lambda: replaced(fleet, victim), "two replicas serving again", RECOVERY_TIMEOUT_S)
+    FAULTS[name](fleet, victim, app)
+    gone = {i["replica"] for i in before} if name == "redeploy" else {victim["replica"]}
+    recovery_s = wait_until(lambda: replaced(fleet, gone), "two replicas serving again", RECOVERY_TIMEOUT_S)
     after = fleet.identities()
     fresh = [i for i in after if i["replica"] not in {b["replica"] for b in before}]
     served = stream.tally.counts["ok"]
@@ -184,7 +200,8 @@ def main() -> None:
     device = default_device(args.config)
     start_serve(num_cpus=None if device == "gpu" else 4)
     started = time.monotonic()
-    handle = serve.run(build_app(app_args(args.config, device, args.replicas_per_gpu)), name="capserve", route_prefix="/")
+    app = app_args(args.config, device, args.replicas_per_gpu)
+    handle = serve.run(build_app(app), name="capserve", route_prefix="/")
     fleet = Fleet(handle, serve.get_deployment_handle("EngineReplica", "capserve"))
     wait_until(lambda: fleet.running() == 2, "two replicas", RECOVERY_TIMEOUT_S)
     shape = model_shape(args.config)
@@ -196,7 +213,8 @@ def main() -> None:
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:
         for name in args.faults:
-            payload["faults"][name] = result = run_fault(fleet, loop, TokenMix(shape["n_layers"], shape["d_model"]), name, args.concurrency)
+            payload["faults"][name] = result = run_fault(fleet, loop, TokenMix(shape["n_layers"], shape["d_model"]), name,
+                                                                 args.concurrency, app)
             print(json.dumps({name: result}, indent=1), flush=True)
             write_result(f"faults_{args.config}", payload, args.out)
     finally:

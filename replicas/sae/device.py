@@ -84,19 +84,24 @@ class DeviceSae:
             return x * std + mu
         return x
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Dense feature activations [rows, d_sae] of rows x [rows, d_in]; and the normaliser's state."""
+    def pre_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """What the activation function reads, [rows, d_sae] (a rescaled topk's rescaled); and the normaliser's state."""
         sae_in, state = self.normalize(x)
         if self.facts.apply_b_dec_to_input:
             sae_in = sae_in - self.b_dec
         hidden = sae_in @ self.W_enc + self.b_enc
+        if self.facts.architecture == "topk" and self.decoder_norms is not None:
+            hidden = hidden * self.decoder_norms
+        return hidden, state
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Dense feature activations [rows, d_sae] of rows x [rows, d_in]; and the normaliser's state."""
+        hidden, state = self.pre_activation(x)
         architecture = self.facts.architecture
         if architecture == "standard":
             return torch.relu(hidden), state
         if architecture == "jumprelu":
             return torch.relu(hidden) * (hidden > self.threshold).to(hidden.dtype), state
-        if self.decoder_norms is not None:
-            hidden = hidden * self.decoder_norms
         values, ids = torch.topk(hidden, k=self.facts.k, dim=-1, sorted=False)
         return torch.zeros_like(hidden).scatter_(-1, ids, values.relu()), state
 
@@ -127,6 +132,10 @@ def encode_packed(sae: DeviceSae, x: torch.Tensor, k_max: int, error: str) -> to
     """[rows, ids k_max | values k_max | error norm | error vector] as int32 (floats bit-cast): one
     block, one copy to host (`replicas.sae.specs.SaeRows.add` unpacks it). `error` is the most any
     request of the block asked: none; norm (one float32); vector (the norm, then d_model float32)."""
+    if error == "none" and sae.facts.architecture == "topk" and k_max <= sae.facts.k:
+        # the k_max largest of the k kept are the k_max largest pre-activations: one top-k, no dense activations
+        ids, values = top_features(sae.pre_activation(x)[0], k_max)
+        return torch.cat([ids, values.view(torch.int32)], dim=-1)
     acts, state = sae.encode(x)
     ids, values = top_features(acts, k_max)
     parts = [ids, values.view(torch.int32)]
