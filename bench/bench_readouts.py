@@ -6,9 +6,15 @@
 Plain vLLM and one capserve engine live on the GPU at once, each with an equal share of its
 memory, and take turns batch by batch for several rounds (bench_side_by_side's method); reported
 per case, the first round's and the later rounds' median tokens per second (prompt + generated)
-against plain's of the same rounds. The capserve engine runs its defaults (the residual-stream
-kinds armed and steerable at every layer) with 8 random probes (2 outputs each, at 4 layers) and
-a random TopK SAE of `--sae-features` features at the middle layer. Cases (issue 45's targets):
+against plain's of the same rounds. The capserve engine has 8 random probes (2 outputs each, at 4
+layers) and a random TopK SAE of `--sae-features` features at the middle layer, on one of two
+deployments (`--deployment`):
+  lean      what a read-out user deploys: resid_post armed at every layer, steerable at the middle
+            one only (`steer_layers`), so the cases measure the read-outs, not the armed sites
+  default   capserve's defaults: the five residual-stream kinds armed and steerable at every layer
+            (160 sites on the 8B shape; on an H100 at 0.45 of its memory this alone cost ~20%,
+            docs/benchmarks.md)
+Cases (issue 45's targets):
   armed, unused                     the engine as loaded, no read-out asked
   logit lens top-20, 4 layers       last_prompt, resid_post at 4 layers
   8 probes, every position          each at its own layer's resid_post
@@ -86,7 +92,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         settings["gpu_memory_utilization"] = args.memory_share
     model = dummy_model_folder(args.config)
     plain = await start_plain(model, settings)
-    engine = await start_capserve(model, settings, {"probes": probes, "saes": {"bench": {"path": sae, "hook": middle_hook}}})
+    fields = {"probes": probes, "saes": {"bench": {"path": sae, "hook": middle_hook}}}
+    if args.deployment == "lean":
+        fields |= {"armed_kinds": ["resid_post"], "steer_kinds": ["resid_post"], "steer_layers": [n_layers // 2]}
+    engine = await start_capserve(model, settings, fields)
     times = {id(plain): OutputTimes(plain), id(engine): OutputTimes(engine.llm)}
     results: dict[str, Any] = {}
     try:
@@ -110,6 +119,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=GPU_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sae-features", type=int, default=16384)
+    parser.add_argument("--deployment", choices=["lean", "default"], default="lean")
     parser.add_argument("--memory-share", type=float, default=0.45, help="GPU memory fraction per engine (two engines)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = parser.parse_args()
@@ -118,7 +128,7 @@ def main() -> None:
         print(f"\n{workload}: first round / median of later rounds, vs plain")
         for case, row in per_case.items():
             print(f"  {case:55s} {row['first_ratio']:.3f}  {row['warm_ratio']:.3f}")
-    path = write_result(f"readouts_{args.config}", {"args": vars(args), "results": results}, args.out)
+    path = write_result(f"readouts_{args.config}" + ("_default" if args.deployment == "default" else ""), {"args": vars(args), "results": results}, args.out)
     print(f"\nwrote {path}")
 
 

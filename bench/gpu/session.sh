@@ -36,6 +36,8 @@
 #   stall    bench/gpu/register_stall.py: what registering arena memory costs a step loop (0.3)
 #   staging  bench/gpu/staging_copies.py: an armed site's staging copies in a CUDA-graph decode step, on the step's
 #            stream or a side stream; torch alone, like state (1)
+#   sites    bench/gpu/site_costs.py: what armed and steerable sites (capserve's own Site) cost a compiled
+#            8B-shaped step, per deployment (plain, lean, capture_all, steer_resid, default); needs the bundle (2)
 #   ctxcost  bench/gpu/context_cost.py: switch_context_every_s's second context: device memory, creation, a launch's
 #            host time; torch alone, like state (0.2)
 #   q70      bench_quantized: Llama-3.1-70B shape in online fp8, plain vLLM then capserve's defaults (one copy fits
@@ -43,7 +45,7 @@
 #   q8       bench_quantized: Llama-3.1-8B shape in online fp8, plain beside capserve's defaults and steer-layer,
 #            512 x (512+128), side by side; Q_ROUNDS (3) (~9)
 #   readouts bench_readouts: logit lens, 8 probes, probe-gated steering and a 16k-feature SAE read-out beside plain
-#            vLLM, Llama-3.1-8B shape, both workloads; R_ROUNDS (3) (~8)
+#            vLLM, Llama-3.1-8B shape, both workloads, the lean deployment (R_DEPLOYMENT=default: the defaults); R_ROUNDS (3) (~8)
 #   faults2  bench/gpu/faults.py with two replicas of the 8B shape on one GPU (replicas_per_gpu 2): replica kill,
 #            engine kill, hang (~12)
 #   moe      the architecture matrix's mixture-of-experts rows (Qwen3-MoE, Mixtral: router hooks under CUDA graphs),
@@ -98,12 +100,13 @@ for part in "$@"; do
     state) step state python3 bench/gpu/copy_state.py --out "$R" > "$R/state.log" 2>&1 ;;
     stall) step stall python3 bench/gpu/register_stall.py --out "$R" > "$R/stall.log" 2>&1 ;;
     staging) step staging python3 bench/gpu/staging_copies.py --out "$R" > "$R/staging.log" 2>&1 ;;
+    sites) step sites python3 bench/gpu/site_costs.py --out "$R" > "$R/sites.log" 2>&1 ;;
     ctxcost) step ctxcost python3 bench/gpu/context_cost.py --out "$R" > "$R/ctxcost.log" 2>&1 ;;
     q70) step q70 python3 -m bench.bench_quantized --config llama70b --quantization fp8 --sequential --max-num-seqs 256 \
            --workloads 32x512+256 128x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q70.log" 2>&1 ;;
     q8) step q8 python3 -m bench.bench_quantized --config llama8b --quantization fp8 --deployments default steer-layer \
           --workloads 512x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q8.log" 2>&1 ;;
-    readouts) step readouts python3 -m bench.bench_readouts --config llama8b --rounds ${R_ROUNDS:-3} --out "$R" > "$R/readouts.log" 2>&1 ;;
+    readouts) step readouts python3 -m bench.bench_readouts --config llama8b --rounds ${R_ROUNDS:-3} --deployment ${R_DEPLOYMENT:-lean} --out "$R" > "$R/readouts.log" 2>&1 ;;
     faults2) step faults2 python3 -m bench.gpu.faults --config llama8b --replicas-per-gpu 2 --out "$R" > "$R/faults2.log" 2>&1 ;;
     moe) step moe env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_architectures.py -k "qwen3_moe or mixtral" \
            -q -p no:cacheprovider --junitxml="$R/gpu_suite_moe.xml" > "$R/moe.log" 2>&1 ;;
