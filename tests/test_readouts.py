@@ -24,7 +24,7 @@ from replicas.api.hooks import resolve_hook
 from replicas.engine.config import EngineConfig
 from replicas.plans.readouts import ReadoutPlan
 from replicas.readouts.device import DeviceReadouts, Unembed
-from replicas.readouts.specs import ReadoutRows, read_tuned_lens
+from replicas.readouts.specs import ReadoutRows, read_tuned_lens, unpacked
 from tests.conftest import ON_GPU, assert_close, assert_same
 from tests.hf_reference import hf_activations, hf_lens
 from tests.test_engine_capture import prompt_ids
@@ -174,7 +174,7 @@ def test_device_math_and_packing_round_trip(files: SimpleNamespace) -> None:
         weight, bias = (torch.from_numpy(a) for a in files.llama_lens[2])
         expected = torch.log_softmax(norm(x + x @ weight.T + bias) @ head.T, -1).numpy()
     rows = ReadoutRows.for_plan(ReadoutPlan("tuned_lens", (2, "resid_pre"), "blocks.2.hook_resid_pre", "all", 5, 3, 2))
-    rows.add(packed, 7, 1, 4, 0)
+    rows.add(unpacked(packed, 7), 1, 4, 0)
     rows.plan.taken = 4
     want = np.argsort(-expected, axis=1)[1:5, :3]
     np.testing.assert_array_equal(rows.ids[:4], want)

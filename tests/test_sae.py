@@ -24,7 +24,7 @@ from replicas.engine.config import EngineConfig
 from replicas.api.errors import InvalidRequestError
 from replicas.plans.request import SaePlan
 from replicas.sae.device import DeviceSae, encode_packed, top_features
-from replicas.sae.specs import SaeRows, read_facts
+from replicas.sae.specs import SaeRows, read_facts, unpacked
 from tests.conftest import assert_close, assert_same
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,8 +137,8 @@ def test_top_features_and_packing_round_trip(sae_dirs: dict[str, str]) -> None:
     want_ids, want_values = (t.numpy() for t in top_features(acts, 20))
     norm_rows = SaeRows.for_plan(SaePlan("topk", HOOK, 5, "all", "norm", 6), D_MODEL)
     vector_rows = SaeRows.for_plan(SaePlan("topk", HOOK, 20, "all", "vector", 8), D_MODEL)
-    norm_rows.add(packed, 20, 1, 4, 0)
-    vector_rows.add(packed, 20, 0, 6, 2)
+    norm_rows.add(unpacked(packed, 20), 1, 4, 0)
+    vector_rows.add(unpacked(packed, 20), 0, 6, 2)
     np.testing.assert_array_equal(norm_rows.ids[:4], want_ids[1:5, :5])
     np.testing.assert_array_equal(norm_rows.values[:4], want_values[1:5, :5])
     np.testing.assert_allclose(norm_rows.error[:4], np.linalg.norm(residual[1:5], axis=1), rtol=1e-6)

@@ -226,6 +226,18 @@ class ReadoutCatalog:
 # ---------------------------------------------------------------- host side (outbox, engine)
 
 
+ReadoutBlock = tuple[np.ndarray, np.ndarray | None]  # a probe's values and None, or a lens's ids and logprobs
+
+
+def unpacked(block: np.ndarray, k_max: int) -> ReadoutBlock:
+    """A step's block (replicas.readouts.device: a probe's float32 values, or a lens's int32
+    [ids k_max | logprobs k_max, bit-cast]) as views, taken once a step: a decode step files a row
+    for each of thousands of requests."""
+    if block.dtype == np.float32:
+        return block, None
+    return block[:, :k_max], block[:, k_max:].view(np.float32)
+
+
 @dataclass
 class ReadoutRows:
     """One read-out of one request, filled by the outbox thread."""
@@ -242,16 +254,15 @@ class ReadoutRows:
             return cls(plan, values=np.empty(shape, np.float32))
         return cls(plan, ids=np.empty(shape, np.int32), logprobs=np.empty(shape, np.float32))
 
-    def add(self, block: np.ndarray, k_max: int, lo: int, n: int, dest: int) -> None:
-        """Rows lo:lo+n of a step's block (replicas.readouts.device): a probe's float32 values, or
-        a lens's int32 [ids k_max | logprobs k_max, bit-cast]."""
-        rows = block[lo : lo + n]
+    def add(self, block: ReadoutBlock, lo: int, n: int, dest: int) -> None:
+        """Rows lo:lo+n of a step's block (`unpacked`)."""
+        first, logprobs = block
         if self.values is not None:
-            self.values[dest : dest + n] = rows
+            self.values[dest : dest + n] = first[lo : lo + n]
             return
         k = self.plan.width
-        self.ids[dest : dest + n] = rows[:, :k]
-        self.logprobs[dest : dest + n] = rows[:, k_max : k_max + k].view(np.float32)
+        self.ids[dest : dest + n] = first[lo : lo + n, :k]
+        self.logprobs[dest : dest + n] = logprobs[lo : lo + n, :k]
 
     def result(self, prompt_len: int) -> dict[str, Any]:
         n, plan = self.plan.taken, self.plan

@@ -254,6 +254,15 @@ def decoder_row(facts: SaeFacts, feature: int) -> np.ndarray:
 # ---------------------------------------------------------------- host side (outbox, engine)
 
 
+SaeBlock = tuple[np.ndarray, np.ndarray, np.ndarray]  # ids, values, error columns (norm, then vector) of a step's rows
+
+
+def unpacked(packed: np.ndarray, k_max: int) -> SaeBlock:
+    """A step's packed int32 block (replicas.sae.device.encode_packed) as views of its columns,
+    taken once a step: a decode step files a row for each of thousands of requests."""
+    return packed[:, :k_max], packed[:, k_max : 2 * k_max].view(np.float32), packed[:, 2 * k_max :].view(np.float32)
+
+
 @dataclass
 class SaeRows:
     """One SAE spec's features of one request, filled by the outbox thread."""
@@ -270,16 +279,16 @@ class SaeRows:
         error = None if width == 0 else np.empty((rows, d_model) if plan.error == "vector" else (rows,), np.float32)
         return cls(plan, np.empty((rows, k), np.int32), np.empty((rows, k), np.float32), error)
 
-    def add(self, packed: np.ndarray, k_max: int, lo: int, n: int, dest: int) -> None:
-        """Rows lo:lo+n of a step's packed int32 block (replicas.sae.device.encode_packed)."""
+    def add(self, block: SaeBlock, lo: int, n: int, dest: int) -> None:
+        """Rows lo:lo+n of a step's block (`unpacked`)."""
+        ids, values, error = block
         k = self.plan.top_k
-        block = packed[lo : lo + n]
-        self.ids[dest : dest + n] = block[:, :k]
-        self.values[dest : dest + n] = block[:, k_max : k_max + k].view(np.float32)
+        self.ids[dest : dest + n] = ids[lo : lo + n, :k]
+        self.values[dest : dest + n] = values[lo : lo + n, :k]
         if self.error is not None and self.error.ndim == 1:
-            self.error[dest : dest + n] = block[:, 2 * k_max].view(np.float32)
+            self.error[dest : dest + n] = error[lo : lo + n, 0]
         elif self.error is not None:
-            self.error[dest : dest + n] = block[:, 2 * k_max + 1 : 2 * k_max + 1 + self.error.shape[1]].view(np.float32)
+            self.error[dest : dest + n] = error[lo : lo + n, 1 : 1 + self.error.shape[1]]
 
     def result(self, prompt_len: int) -> dict[str, Any]:
         n = self.plan.taken

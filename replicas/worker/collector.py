@@ -16,7 +16,7 @@ it skips the selection (`replicas.worker.steady_decode`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +38,14 @@ from replicas.worker.request_table import NO_LOGITS, Batch, Columns, Entry, Requ
 from replicas.readouts.device import DeviceReadouts, lens_row_bytes, probe_row_bytes
 from replicas.sae.device import DeviceSae, encode_packed, packed_width, row_bytes
 from replicas.worker.sites import Site, stacked_rows, to_device
+from replicas.worker.spec_select import KeyIds, SpecCodes, SpecKind, pair_groups
 from replicas.worker.steady_decode import SteadyDecode, decode_key
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_STEP_BYTES = 256 << 20  # EngineConfig.max_step_temp_bytes
 GroupSites = tuple[list[Site], str, str]  # (sites, dtype, reduce)
+SAE_SPECS = SpecKind("sae", lambda spec: spec.sae_id, lambda spec: spec.top_k)
+READOUT_SPECS = SpecKind("readouts", lambda spec: spec.group, lambda spec: spec.width)
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Collector:
         self.saes = saes or {}
         self.sae_sites = {sites[sae.site] for sae in self.saes.values()}
         self.readouts = readouts
+        self.key_ids = KeyIds()  # of SAE and read-out groups
         self.rows_captured = 0
         self.steady_steps = 0  # steps collected as a SteadyDecode
         self.steady: SteadyDecode | None = None  # the previous step's, while decode steps repeat it
@@ -144,8 +148,9 @@ class Collector:
             sites.add(self.final_norm)
         if (columns["sae"][batch.rows] > 0).any():
             sites.update(self.sae_sites)
-        for row in batch.rows[columns["readouts"][batch.rows] > 0].tolist():
-            sites.update(self.sites[readout.site] for readout in requests.entry_at[row].plan.readouts)
+        held = np.unique(columns["readout_sites"][batch.rows])
+        for site_set in held[held >= 0].tolist():
+            sites.update(self.sites[site] for site in requests.site_sets.sets[site_set])
         return sites
 
     def collect(self, batch: Batch, requests: RequestTable) -> None:
@@ -415,40 +420,35 @@ class Collector:
         buffers = [entry.buffers for entry in selection.requests]
         self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.targets))
 
-    def _spec_groups(
-        self, requests: RequestTable, chunks: list[np.ndarray], specs_of: Callable[[Entry], list[Any]],
-        key: Callable[[Any], Hashable], width: Callable[[list[Any]], int],
-    ) -> list[tuple[list[Any], Selection]]:
-        """The step's rows of SAE or read-out specs (`specs_of` a request's), in groups of specs
-        that one device computation serves (`key`): the group's specs, and a Selection whose
-        targets are each member's spec index and the group's `width`. Counts the rows as taken."""
-        members: dict[Hashable, list[tuple[Entry, int, Any, np.ndarray]]] = {}
-        for handle, first, start, count, prompt_len, fresh in zip(*(c.tolist() for c in chunks)):
-            entry = requests.entry_at[handle]
-            for j, spec in enumerate(specs_of(entry)):
-                offsets = selected_offsets(spec.positions, start, count, prompt_len)
-                offsets = offsets[offsets >= fresh]
-                if len(offsets):
-                    members.setdefault(key(spec), []).append((entry, j, spec, first + offsets))
+    def _spec_groups(self, requests: RequestTable, chunks: list[np.ndarray], kind: SpecKind) -> list[tuple[list[Any], Selection]]:
+        """The step's rows of SAE or read-out specs, in groups of specs that one device computation
+        serves (`replicas.worker.spec_select`): the group's specs, and a Selection whose targets
+        are each member's spec index and the group's width. Counts the rows as taken."""
+        entries = [requests.entry_at[handle] for handle in chunks[0].tolist()]
+        codes = [self._spec_codes(entry, kind) for entry in entries]
         groups = []
-        for group in members.values():
-            specs = [spec for _, _, spec, _ in group]
-            counts = np.array([len(rows) for *_, rows in group], np.int64)
-            dests = np.array([spec.taken for spec in specs], np.int64)
-            for spec, n in zip(specs, counts.tolist()):
+        for group in pair_groups(codes, chunks):
+            members = group.request.tolist()
+            targets = group.spec.tolist()
+            specs = [codes[k].specs[j] for k, j in zip(members, targets)]
+            dests = np.fromiter((spec.taken for spec in specs), np.int64, len(specs))
+            for spec, n in zip(specs, group.counts.tolist()):
                 spec.taken += n
-            selection = Selection(
-                [entry for entry, *_ in group], np.concatenate([rows for *_, rows in group]),
-                np.cumsum(counts) - counts, counts, dests, targets=([j for _, j, _, _ in group], width(specs)),
-            )
+            selection = Selection([entries[k] for k in members], group.rows, group.offsets, group.counts, dests,
+                                  targets=(targets, group.width))
             groups.append((specs, selection))
         return groups
+
+    def _spec_codes(self, entry: Entry, kind: SpecKind) -> SpecCodes:
+        codes = entry.spec_codes.get(kind.field)
+        if codes is None:
+            codes = entry.spec_codes[kind.field] = self.key_ids.codes(getattr(entry.plan, kind.field), kind)
+        return codes
 
     def _hand_over_sae(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
         """SAE features of the step's rows: per SAE, one gather, encode and top-k on the device
         for every request that asked it, and one [1, rows, packed] int32 block to host."""
-        groups = self._spec_groups(requests, chunks, lambda entry: entry.plan.sae, lambda spec: spec.sae_id,
-                                   lambda specs: max(spec.top_k for spec in specs))
+        groups = self._spec_groups(requests, chunks, SAE_SPECS)
         for specs, selection in groups:
             sae = self.saes[specs[0].sae_id]
             k_max = selection.targets[1]
@@ -469,8 +469,7 @@ class Collector:
         """Lenses and probes of the step's rows: per group (a lens at one site and translator, a
         probe), one gather and computation on the device for every request that asked it, and one
         [1, rows, width] block to host: a lens's int32 [ids | logprobs], a probe's float32 values."""
-        groups = self._spec_groups(requests, chunks, lambda entry: entry.plan.readouts, lambda spec: spec.group,
-                                   lambda specs: max(spec.width for spec in specs))
+        groups = self._spec_groups(requests, chunks, READOUT_SPECS)
         for specs, selection in groups:
             plan, width = specs[0], selection.targets[1]
             staging = self.sites[plan.site].staging

@@ -48,7 +48,9 @@ from replicas.worker.arena_writer import ArenaWriter, CudaHostMemory
 from replicas.api.errors import OUTBOX_DEAD, OUTBOX_STUCK
 from replicas.plans.request import RequestPlan, captured_positions
 from replicas.readouts.specs import ReadoutRows
+from replicas.readouts.specs import unpacked as readout_columns
 from replicas.sae.specs import SaeRows
+from replicas.sae.specs import unpacked as sae_columns
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +227,10 @@ class StepRows:
     def file(self) -> None:
         """Copy each request's rows into its buffer (the copy to host must be done)."""
         data = _to_numpy(self.tensor)
+        specs, block = [], None
+        if self.kind in ("sae", "readout"):  # the block's columns as views once, not once a member
+            specs, k_max = self.targets
+            block = (sae_columns if self.kind == "sae" else readout_columns)(data[0], k_max)
         members = zip(self.requests, self.offsets.tolist(), self.counts.tolist(), self.dests.tolist())
         for member, (buffers, lo, n, dest) in enumerate(members):
             if buffers.error is not None:
@@ -233,9 +239,9 @@ class StepRows:
                 if self.kind == "logits":
                     buffers.add_logits(data, lo, n, dest)
                 elif self.kind == "sae":
-                    buffers.sae[self.targets[0][member]].add(data[0], self.targets[1], lo, n, dest)
+                    buffers.sae[specs[member]].add(block, lo, n, dest)
                 elif self.kind == "readout":
-                    buffers.readouts[self.targets[0][member]].add(data[0], self.targets[1], lo, n, dest)
+                    buffers.readouts[specs[member]].add(block, lo, n, dest)
                 else:
                     buffers.add_rows(data, member, lo, n, dest)
             except Exception as exc:  # a bookkeeping bug must fail this request, not the worker

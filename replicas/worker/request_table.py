@@ -17,6 +17,7 @@ import numpy as np
 from replicas import _vllm
 from replicas.worker.outbox import RequestBuffers
 from replicas.plans.request import RequestPlan, WirePlan, mode_code
+from replicas.worker.spec_select import SpecCodes
 
 _CLOSED_KEYS_KEPT = 10_000
 
@@ -38,6 +39,7 @@ class Entry:
     finishing: bool = False
     error: str | None = None
     replica_fault: str = ""  # see RequestBuffers.replica_fault
+    spec_codes: dict[str, SpecCodes] = field(default_factory=dict)  # its SAE specs and read-outs, as the collector reads them
 
 
 class Columns:
@@ -84,6 +86,37 @@ class Columns:
         self.capacity = grown
 
 
+class SiteSets:
+    """The sets of sites that running requests' read-outs read, each an int while a request holds
+    it: a step's sites are the union of its few distinct sets (`Collector.captured_sites`), not
+    each request's."""
+
+    def __init__(self) -> None:
+        self.ids: dict[frozenset, int] = {}
+        self.sets: list[frozenset] = []
+        self._users: list[int] = []
+        self._free: list[int] = []
+
+    def hold(self, sites: frozenset) -> int:
+        held = self.ids.get(sites)
+        if held is None:
+            held = self._free.pop() if self._free else len(self.sets)
+            if held == len(self.sets):
+                self.sets.append(sites)
+                self._users.append(0)
+            self.sets[held] = sites
+            self.ids[sites] = held
+        self._users[held] += 1
+        return held
+
+    def release(self, held: int) -> None:
+        """The last request that held the set forgets it."""
+        self._users[held] -= 1
+        if not self._users[held]:
+            del self.ids[self.sets[held]]
+            self._free.append(held)
+
+
 @dataclass
 class Batch:
     """The step's layout and, per request, its row in `Columns`."""
@@ -117,8 +150,10 @@ class RequestTable:
             ("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0),
             ("rows_taken", 0), ("logits_taken", 0),  # rows handed over so far, where the next ones go
             ("sae", 0), ("readouts", 0),  # SAE specs and read-outs it asks
+            ("readout_sites", -1),  # the set of sites its read-outs read (`site_sets`)
         ):
             self.columns.add(name, neutral)
+        self.site_sets = SiteSets()
         self.handle_of: dict[str, int] = {}  # vLLM request id -> handle (or UNPLANNED)
         self.entry_at: dict[int, Entry] = {}
         self.requests: dict[str, Entry] = {}  # by vLLM request id, until taken
@@ -174,6 +209,8 @@ class RequestTable:
             columns["logits"][handle] = mode_code(plan.logits_positions)
         columns["sae"][handle] = len(plan.sae)  # SAE specs it asks (replicas.sae.specs)
         columns["readouts"][handle] = len(plan.readouts)  # lenses and probes (replicas.readouts.specs)
+        if plan.readouts:
+            columns["readout_sites"][handle] = self.site_sets.hold(frozenset(readout.site for readout in plan.readouts))
         return entry
 
     def fail(self, entry: Entry, error: str, replica_fault: str = "") -> None:
@@ -181,6 +218,7 @@ class RequestTable:
         the capture group it gave back, and its result is the error."""
         entry.error, entry.replica_fault, entry.group = error, replica_fault, -1
         self.version += 1
+        self._drop_site_set(entry.handle)
         self.columns.reset(entry.handle)
         self.columns["prompt_len"][entry.handle] = entry.plan.prompt_len
         entry.buffers = None
@@ -204,8 +242,14 @@ class RequestTable:
         self.version += 1
         self.handle_of.pop(req_id, None)
         self.entry_at.pop(entry.handle, None)
+        self._drop_site_set(entry.handle)
         self.columns.release(entry.handle)
         return True
+
+    def _drop_site_set(self, handle: int) -> None:
+        held = int(self.columns["readout_sites"][handle])
+        if held >= 0:
+            self.site_sets.release(held)
 
     def taken(self, entry: Entry) -> tuple[int, int]:
         """Rows and logits rows handed over for the entry so far."""

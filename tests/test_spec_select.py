@@ -1,0 +1,162 @@
+"""The step loop's selection of SAE and read-out rows for every (request, spec) pair at once
+(replicas.worker.spec_select) against the selection one pair at a time it replaced, and the
+sites a step's read-outs read. No engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+
+from replicas.plans.readouts import ReadoutPlan
+from replicas.plans.request import RequestPlan, SaePlan, selected_offsets
+from replicas.worker.collector import READOUT_SPECS, SAE_SPECS, Collector
+from replicas.worker.request_table import Batch, Entry, RequestTable
+from replicas.worker.spec_select import SpecKind
+from tests.test_engine_memory import CPU, Outbox, sites_of
+
+
+def probe(name: str, positions: Any, width: int = 1) -> ReadoutPlan:
+    return ReadoutPlan("probe", (1, "resid_post"), "blocks.1.hook_resid_post", positions, 16, width, probe=name)
+
+
+def lens(layer: int, positions: Any, top_k: int) -> ReadoutPlan:
+    return ReadoutPlan("logit_lens", (layer, "resid_pre"), f"blocks.{layer}.hook_resid_pre", positions, 16, top_k)
+
+
+def sae(sae_id: str, positions: Any, top_k: int) -> SaePlan:
+    return SaePlan(sae_id, "blocks.1.hook_resid_post", top_k, positions, "none", 16)
+
+
+def readouts() -> list[list[ReadoutPlan]]:
+    """Requests A, B and C (prompts of PROMPTS); explicit indices count back from the end of the
+    prompt when negative."""
+    return [
+        [probe("p1", "all"), lens(0, "last_prompt", 5), probe("p2", [1, -1, 11], 3), probe("p1", "generated")],
+        [lens(0, "prompt", 3), probe("p2", "all", 3), probe("p1", [-2, 0, 8])],
+        [probe("p1", "last_prompt"), lens(2, "generated", 4)],
+    ]
+
+
+def saes() -> list[list[SaePlan]]:
+    return [[sae("s1", "all", 8), sae("s2", [2, -3], 4)], [sae("s2", "generated", 6)], [sae("s1", "last_prompt", 2)]]
+
+
+PROMPTS = [10, 7, 5]
+# per step, each request's (start position, rows, first fresh row): A's prompt in two chunks; B
+# preempted after step 2 and recomputed from position 0 (positions 0..7 were recorded before)
+STEPS = [
+    [(0, 4, 0), (0, 7, 0), (0, 5, 0)],
+    [(4, 6, 0), (7, 1, 0), (5, 1, 0)],
+    [(10, 1, 0), (0, 9, 8), (6, 1, 0)],
+    [(11, 1, 0), (9, 1, 0), (7, 1, 0)],
+]
+
+
+def one_pair_at_a_time(
+    entries: list[Entry], chunks: list[np.ndarray], specs_of: Callable[[Entry], list[Any]], key: Callable[[Any], Hashable],
+    width: Callable[[Any], int], taken: dict[int, int],
+) -> list[tuple[list[Any], list[Entry], list[int], list[int], list[int], list[int], int]]:
+    """The selection as the collector made it before: per group (in order of its first member),
+    (specs, entries, spec indices, rows, counts, dests, width); `taken` by id(spec)."""
+    members: dict[Hashable, list[tuple[Entry, int, Any, np.ndarray]]] = {}
+    for entry, first, start, count, prompt_len, fresh in zip(entries, *(c.tolist() for c in chunks[1:])):
+        for j, spec in enumerate(specs_of(entry)):
+            offsets = selected_offsets(spec.positions, start, count, prompt_len)
+            offsets = offsets[offsets >= fresh]
+            if len(offsets):
+                members.setdefault(key(spec), []).append((entry, j, spec, first + offsets))
+    groups = []
+    for group in members.values():
+        specs = [spec for _, _, spec, _ in group]
+        counts = [len(rows) for *_, rows in group]
+        dests = [taken.get(id(spec), 0) for spec in specs]
+        for spec, n in zip(specs, counts):
+            taken[id(spec)] = taken.get(id(spec), 0) + n
+        groups.append((specs, [entry for entry, *_ in group], [j for _, j, _, _ in group],
+                       np.concatenate([rows for *_, rows in group]).tolist(), counts, dests, max(width(s) for s in specs)))
+    return groups
+
+
+def admitted(specs: list[list[Any]], kind: SpecKind, prompts: list[int] = PROMPTS) -> tuple[RequestTable, list[Entry]]:
+    table = RequestTable()
+    for i, (asked, prompt_len) in enumerate(zip(specs, prompts, strict=True)):
+        plan = RequestPlan(f"k{i}", prompt_len, None, None, **{kind.field: asked})
+        table.admit(f"r{i}", plan, None, -1)
+    return table, [table.requests[f"r{i}"] for i in range(len(specs))]
+
+
+def step_chunks(entries: list[Entry], step: list[tuple[int, int, int]]) -> list[np.ndarray]:
+    start, counts, fresh = (np.array(column, np.int64) for column in zip(*step))
+    handles = np.array([entry.handle for entry in entries], np.int64)
+    first = np.cumsum(counts) - counts
+    return [handles, first, start, counts, np.array(PROMPTS, np.int64), fresh]
+
+
+def test_every_pair_at_once_selects_the_rows_counts_and_dests_of_one_pair_at_a_time() -> None:
+    collector = Collector(None, sites_of(), 50, CPU, Outbox())
+    for kind, specs, key, width in ((READOUT_SPECS, readouts(), lambda s: s.group, lambda s: s.width),
+                                    (SAE_SPECS, saes(), lambda s: s.sae_id, lambda s: s.top_k)):
+        table, entries = admitted(specs, kind)
+        taken: dict[int, int] = {}
+        for number, step in enumerate(STEPS):
+            chunks = step_chunks(entries, step)
+            want = one_pair_at_a_time(entries, chunks, lambda e: getattr(e.plan, kind.field), key, width, taken)
+            got = collector._spec_groups(table, chunks, kind)
+            assert len(got) == len(want), (kind.field, number)
+            for (specs_got, selection), (specs_want, members, targets, rows, counts, dests, widest) in zip(got, want):
+                assert [id(s) for s in specs_got] == [id(s) for s in specs_want], (kind.field, number)
+                assert [e.name for e in selection.requests] == [e.name for e in members]
+                assert selection.targets == (targets, widest)
+                assert selection.rows.tolist() == rows, (kind.field, number)
+                assert selection.counts.tolist() == counts and selection.dests.tolist() == dests
+                assert selection.offsets.tolist() == (np.cumsum(counts) - counts).tolist()
+        assert [s.taken for e in entries for s in getattr(e.plan, kind.field)] == \
+            [taken.get(id(s), 0) for e in entries for s in getattr(e.plan, kind.field)]
+
+
+def test_the_groups_of_a_step_by_hand() -> None:
+    """Step 3 of STEPS: A decodes position 10, B re-runs 0..8 of which only 8 is fresh, C decodes 6."""
+    collector = Collector(None, sites_of(), 50, CPU, Outbox())
+    table, entries = admitted(readouts(), READOUT_SPECS)
+    for step in STEPS[:2]:
+        collector._spec_groups(table, step_chunks(entries, step), READOUT_SPECS)
+    groups = collector._spec_groups(table, step_chunks(entries, STEPS[2]), READOUT_SPECS)
+    # rows: A's is row 0, B's are 1..9 (position 8 at row 9), C's is row 10
+    by_key = {specs[0].group: (specs, s) for specs, s in groups}
+    assert list(by_key) == [("probe", "p1"), ("probe", "p2"), ("lens", (2, "resid_pre"), -1)]
+    specs, p1 = by_key[("probe", "p1")]
+    assert [e.name for e in p1.requests] == [entries[0].name, entries[0].name, entries[1].name]
+    assert p1.targets == ([0, 3, 2], 1) and p1.rows.tolist() == [0, 0, 9] and p1.counts.tolist() == [1, 1, 1]
+    assert p1.dests.tolist() == [10, 0, 2]  # A's "all": 10 rows before; its "generated": none; B's [5, 0, 8]: 5 and 0
+    assert [s.taken for s in specs] == [11, 1, 3]
+    _, p2 = by_key[("probe", "p2")]
+    assert p2.rows.tolist() == [9] and p2.dests.tolist() == [8] and p2.targets == ([1], 3)  # A's [1, 9, 11] selects none
+    _, lens_2 = by_key[("lens", (2, "resid_pre"), -1)]
+    assert lens_2.rows.tolist() == [10] and lens_2.dests.tolist() == [1]
+    quiet = collector._spec_groups(table, step_chunks(entries, [(12, 1, 0), (10, 1, 0), (8, 1, 0)]), SAE_SPECS)
+    assert quiet == []  # SAE plans: none asked, and a step that selects nothing hands over nothing
+
+
+def test_a_steps_read_out_sites_are_the_union_of_its_requests_sets_held_while_they_run() -> None:
+    sites = sites_of()
+    collector = Collector(None, sites, 50, CPU, Outbox())
+    # A and B read (1, resid_post) and (0, resid_pre); C and D (1, resid_post) and (2, resid_pre)
+    table, entries = admitted(readouts() + readouts()[2:], READOUT_SPECS, PROMPTS + [5])
+    sets = table.site_sets
+    a_sites, c_sites = frozenset({(1, "resid_post"), (0, "resid_pre")}), frozenset({(1, "resid_post"), (2, "resid_pre")})
+    assert set(sets.ids) == {a_sites, c_sites}
+    rows = table.columns.rows(np.array([entry.handle for entry in entries]))
+    batch, only_c = Batch(None, rows), Batch(None, rows[2:3])  # type: ignore[arg-type]
+    assert collector.captured_sites(batch, table) == {sites[(1, "resid_post")], sites[(0, "resid_pre")], sites[(2, "resid_pre")]}
+    assert collector.captured_sites(only_c, table) == {sites[(1, "resid_post")], sites[(2, "resid_pre")]}
+    table.retire("r2", entries[2])
+    assert set(sets.ids) == {a_sites, c_sites}  # D still reads them
+    table.retire("r3", entries[3])
+    assert set(sets.ids) == {a_sites}
+    table.fail(entries[0], "an error")
+    assert set(sets.ids) == {a_sites}  # B's
+    assert collector.captured_sites(batch, table) == {sites[(1, "resid_post")], sites[(0, "resid_pre")]}
+    table.retire("r1", entries[1])
+    assert not sets.ids and collector.captured_sites(batch, table) == set()
