@@ -11,7 +11,9 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export PATH="$PWD/.venv/bin:$PATH"
 set -m  # job control: without it a background job ignores SIGINT, and Python would too
-serve run serve_config.yaml "$@" &
+# A shell that was itself started in the background (nohup ... &, a CI runner) hands SIGINT down as
+# ignored, and a script cannot trap or reset a signal ignored on entry: serve run gets it back here.
+env --default-signal=INT serve run serve_config.yaml "$@" &
 serve_pid=$!
 trap 'kill -INT "$serve_pid" 2>/dev/null || true' INT TERM
 while :; do

@@ -71,6 +71,15 @@ def fresh_copy(dest: Path) -> None:
         shutil.copy2(source, dest / name)
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def default_sigint() -> None:
+    """Whatever pytest's own start left it as (a CI runner's background job inherits it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop(process: subprocess.Popen, sig: int, timeout: float = 120) -> None:
     if process.poll() is None:
         process.send_signal(sig)
@@ -150,8 +159,9 @@ def served(tmp_path_factory) -> Iterator[Served]:
     try:
         wait_for_port(gcs, head)  # serve run's ray.init then waits for the GCS to serve
         log = open(tmp_path / "serve_run.log", "w")
-        serve_run = subprocess.Popen(
-            ["bash", "scripts/serve.sh"], cwd=repo, env={**env, "RAY_ADDRESS": gcs}, stdout=log, stderr=log
+        serve_run = subprocess.Popen(  # with SIGINT ignored, as a shell's background job (nohup ... &) starts it
+            ["bash", "scripts/serve.sh"], cwd=repo, env={**env, "RAY_ADDRESS": gcs}, stdout=log, stderr=log,
+            preexec_fn=ignore_sigint,
         )
         url = f"http://127.0.0.1:{http_port}"
         wait_until_ready(url, serve_run)
@@ -253,7 +263,7 @@ def test_serve_run_warns_about_an_open_bind_without_a_key(tmp_path):
         serve_run = subprocess.Popen(  # unshare and sh exec: this pid is serve run's
             ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
              f"ip link set lo up && exec serve run {tmp_path / 'open.yaml'}"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=default_sigint,  # stopped by SIGINT below
         )
     try:
         deadline = time.monotonic() + 300
