@@ -11,19 +11,8 @@ from pydantic import ValidationError
 from replicas.api import arrays
 from replicas.api import CaptureSpec, GenerateRequest, GenerateResult, Intervention
 from replicas.api.hooks import HookNameError, HookPoint, resolve_hook, served_hook_names
-from replicas.plans.request import (
-    EXPLICIT,
-    MODE_CODES,
-    PlanError,
-    build_wire_plan,
-    captured_positions,
-    concatenated_ranges,
-    mode_code,
-    reduced_on_replica,
-    selected_offsets,
-    selected_spans,
-    value_rows,
-)
+from replicas.plans.request import PlanError, build_wire_plan, reduced_on_replica
+from replicas.plans.positions import EXPLICIT, MODE_CODES, captured_positions, concatenated_ranges, mode_code, selected_offsets, selected_spans, value_rows
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from replicas.plans.readouts import ReadoutPlan
-from replicas.plans.request import RequestPlan, SaePlan, selected_offsets
+from replicas.plans.request import RequestPlan, SaePlan
+from replicas.plans.positions import selected_offsets
 from replicas.worker.collector import READOUT_SPECS, SAE_SPECS, Collector
 from replicas.worker.request_table import Batch, Entry, RequestTable
 from replicas.worker.spec_select import SpecKind

@@ -21,7 +21,7 @@ from replicas.api import arrays
 from replicas.api import AttentionInfo, CaptureSpec, MoeInfo
 from replicas.api.hooks import HEAD_KINDS, PATTERN_KINDS, resolve_hook
 from replicas.plans.heads import captured_sites, head_shapes, hook_width
-from replicas.plans.request import absolute_indices
+from replicas.plans.positions import absolute_indices
 
 
 async def attention_info(llm: Any) -> AttentionInfo:

@@ -12,7 +12,7 @@ and logits, the payload the replica copies out of the engine and through the obj
 from __future__ import annotations
 
 from replicas.api import GenerateRequest
-from replicas.plans.request import count_positions
+from replicas.plans.positions import count_positions
 
 BYTES_PER_TOKEN_ESTIMATE = 4  # BPE tokenizers average ~4 bytes of English per token
 CHAT_TOKENS_PER_MESSAGE = 4  # role markers and separators a chat template adds

@@ -29,7 +29,7 @@ from replicas.api.hooks import served_point
 from replicas.api.errors import PlanError
 from replicas.api.readouts import check_lens_hook
 from replicas.plans.readouts import ReadoutPlan
-from replicas.plans.request import captured_positions, check_positions, count_positions
+from replicas.plans.positions import captured_positions, check_positions, count_positions
 
 LENS_CONFIG = "config.json"
 LENS_PARAMS = "params.safetensors"

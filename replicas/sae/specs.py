@@ -23,13 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from replicas.api import arrays
 from replicas.api import GenerateRequest, SaeFeatures
 from replicas.api.hooks import HookPoint, resolve_hook, served_point
-from replicas.plans.request import (
-    PlanError,
-    SaePlan,
-    captured_positions,
-    check_positions,
-    count_positions,
-)
+from replicas.plans.request import PlanError, SaePlan
+from replicas.plans.positions import captured_positions, check_positions, count_positions
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from replicas.arena.host import BlockTable, HostArena
-from replicas.plans.request import concatenated_ranges
+from replicas.plans.positions import concatenated_ranges
 
 REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the addresses (UVA)

@@ -27,13 +27,8 @@ from replicas import _vllm
 from replicas.worker.arena_graphs import ArenaGraphs
 from replicas.worker.arena_writer import ArenaWriter, Destinations, table_slots
 from replicas.worker.outbox import Outbox, StepRows, fail_all
-from replicas.plans.request import (
-    EXPLICIT,
-    CapturePlan,
-    concatenated_ranges,
-    selected_offsets,
-    selected_spans,
-)
+from replicas.plans.request import CapturePlan
+from replicas.plans.positions import EXPLICIT, concatenated_ranges, selected_offsets, selected_spans
 from replicas.worker.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
 from replicas.readouts.device import DeviceReadouts, lens_row_bytes, probe_row_bytes
 from replicas.sae.device import DeviceSae, encode_packed, packed_width, row_bytes

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from replicas.plans.request import PHASE_MODES, EditPlan, concatenated_ranges, mode_code, selected_spans, value_rows
+from replicas.plans.request import EditPlan
+from replicas.plans.positions import PHASE_MODES, concatenated_ranges, mode_code, selected_spans, value_rows
 from replicas.worker.request_table import Batch, Columns, Entry, RequestTable
 from replicas.worker.sites import Site, host_tensor, table_row, to_device
 

@@ -46,7 +46,8 @@ from replicas.arena.host import (
 )
 from replicas.worker.arena_writer import ArenaWriter, CudaHostMemory
 from replicas.api.errors import OUTBOX_DEAD, OUTBOX_STUCK
-from replicas.plans.request import RequestPlan, captured_positions
+from replicas.plans.request import RequestPlan
+from replicas.plans.positions import captured_positions
 from replicas.readouts.specs import ReadoutRows
 from replicas.readouts.specs import unpacked as readout_columns
 from replicas.sae.specs import SaeRows

@@ -16,7 +16,8 @@ import numpy as np
 
 from replicas import _vllm
 from replicas.worker.outbox import RequestBuffers
-from replicas.plans.request import RequestPlan, WirePlan, mode_code
+from replicas.plans.request import RequestPlan, WirePlan
+from replicas.plans.positions import mode_code
 from replicas.worker.spec_select import SpecCodes
 
 _CLOSED_KEYS_KEPT = 10_000

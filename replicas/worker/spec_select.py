@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from replicas.plans.request import EXPLICIT, concatenated_ranges, mode_code, selected_offsets, selected_spans
+from replicas.plans.positions import EXPLICIT, concatenated_ranges, mode_code, selected_offsets, selected_spans
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SpecCodes:
     """A request's specs of one kind as the selection reads them."""
 
     specs: list[Any]
-    modes: np.ndarray  # position mode codes (replicas.plans.request.MODE_CODES, EXPLICIT)
+    modes: np.ndarray  # position mode codes (replicas.plans.positions.MODE_CODES, EXPLICIT)
     keys: np.ndarray  # group keys, interned
     widths: np.ndarray
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from replicas.plans.request import MODE_CODES
+from replicas.plans.positions import MODE_CODES
 from replicas.worker.request_table import NO_LOGITS, Batch, Columns
 from replicas.worker.sites import Site
 
