@@ -103,7 +103,6 @@ def captured_positions(spec: Positions, prompt_len: int, n_rows: int) -> list[in
     return list(range(first, first + n_rows))
 
 
-
 def check_positions(field_name: str, spec: Positions, prompt_len: int, max_tokens: int, repeats: bool = False) -> None:
     """Explicit indices inside the sequence fed through the model; `repeats`: a position may be
     listed more than once (edits: it is edited once, as TransformerLens's act[:, pos] op= v)."""
