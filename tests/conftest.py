@@ -7,6 +7,7 @@ thread and tests submit coroutines to it with `run(...)`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import Coroutine, Iterator
@@ -165,6 +166,30 @@ def figures(request: pytest.FixtureRequest) -> dict[str, Any]:
     """Measurements a test records by name; printed at the end of the run and written to
     bench/results/reliability_cpu.json (merged into what an earlier run wrote)."""
     return request.config.stash.setdefault(FIGURES, {})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (scripts/test.sh: --dist loadgroup) a module runs on one worker, so its
+    module-scoped engines and Serve apps start once; the modules that use the session's `engines`
+    share a worker, so those start once too."""
+    shared = {item.module.__name__ for item in items if "engines" in getattr(item, "fixturenames", ())}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("engines" if module in shared else module))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its figures to the controller, which prints and saves them."""
+    figures = session.config.stash.get(FIGURES, None)
+    if figures and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["capserve_figures"] = json.dumps(figures, default=str)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    sent = getattr(node, "workeroutput", {}).get("capserve_figures")
+    if sent:
+        node.config.stash.setdefault(FIGURES, {}).update(json.loads(sent))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
