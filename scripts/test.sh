@@ -11,6 +11,7 @@ echo "test.sh: install_saelens.sh took $(( $(date +%s) - started )) s" >&2
 # The soak tests (load and fault runs, minutes each: `-m soak`) run only when asked; CI runs them as
 # a step of their own (.ci/run). Any -m given here replaces this default.
 # The rest runs on two pytest-xdist workers (CAPSERVE_TEST_WORKERS): much of it waits on engines
-# booting and Serve apps starting rather than on the CPU. A module stays on one worker (conftest.py).
+# booting and Serve apps starting rather than on the CPU. A module stays on one worker, slowest first
+# (tests/conftest.py: SLOW_MODULES).
 for arg in "$@"; do [ "$arg" = "-m" ] && exec .venv/bin/python -m pytest "$@"; done
-exec .venv/bin/python -m pytest -n "${CAPSERVE_TEST_WORKERS:-2}" --dist loadgroup -m "not soak" "$@"
+exec .venv/bin/python -m pytest -n "${CAPSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "not soak" "$@"

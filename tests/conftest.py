@@ -168,14 +168,20 @@ def figures(request: pytest.FixtureRequest) -> dict[str, Any]:
     return request.config.stash.setdefault(FIGURES, {})
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (scripts/test.sh: --dist loadgroup) a module runs on one worker, so its
-    module-scoped engines and Serve apps start once; the modules that use the session's `engines`
-    share a worker, so those start once too."""
-    shared = {item.module.__name__ for item in items if "engines" in getattr(item, "fixturenames", ())}
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("engines" if module in shared else module))
+# The slowest modules, slowest first (seconds of a serial run on the 2-core CI machine,
+# 2026-12-06): scripts/test.sh hands whole modules to two pytest-xdist workers (--dist loadfile)
+# in this order, so the long ones start at once and the short ones fill in around them.
+SLOW_MODULES = {
+    "test_architectures": 338, "test_cli": 144, "test_provider_serve": 124, "test_multinode": 121,
+    "test_openai_serve": 101, "test_serve_cli": 89, "test_reliability": 74, "test_quantized": 71,
+    "test_serve_app": 69, "test_engine_compiled": 64, "test_saelens_dataset": 60, "test_readouts": 58,
+    "test_engine_precision": 37, "test_tl_bridge": 37, "test_lifeline": 24, "test_engine_memory_bounds": 22,
+}
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of tests by fixture
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: -SLOW_MODULES.get(item.module.__name__.rpartition(".")[2], 0))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
