@@ -13,5 +13,9 @@ echo "test.sh: install_saelens.sh took $(( $(date +%s) - started )) s" >&2
 # The rest runs on two pytest-xdist workers (CAPSERVE_TEST_WORKERS): much of it waits on engines
 # booting and Serve apps starting rather than on the CPU. A module stays on one worker, slowest first
 # (tests/conftest.py: SLOW_MODULES).
+# One OpenMP thread per process, placed by the OS: vLLM's CPU default pins every engine the tests
+# start to core 0, where the two workers' engines queue (modules side by side ran 25% slower so,
+# 2026-12-06). Replicas then skip their own pinning (replicas/replica.py: an explicit setting wins).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 for arg in "$@"; do [ "$arg" = "-m" ] && exec .venv/bin/python -m pytest "$@"; done
 exec .venv/bin/python -m pytest -n "${CAPSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "not soak" "$@"

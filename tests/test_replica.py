@@ -161,3 +161,20 @@ def test_drain_gives_up_after_its_timeout():
         pending.cancel()
 
     asyncio.run(main())
+
+
+def test_cpu_bind_gives_replica_r_allowed_core_r_mod_n_and_leaves_an_explicit_setting(monkeypatch):
+    import os
+
+    from replicas.replica import CPU_BIND_ENV, _bind_cpu
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 4})
+    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    _bind_cpu("rank", 3)
+    assert os.environ[CPU_BIND_ENV] == "6"  # allowed cores sorted: 4, 6
+    monkeypatch.setenv(CPU_BIND_ENV, "auto")
+    _bind_cpu("none", 0)
+    assert os.environ[CPU_BIND_ENV] == "nobind"
+    monkeypatch.setenv(CPU_BIND_ENV, "1")  # the user's own choice (scripts/test.sh sets nobind)
+    _bind_cpu("rank", 0)
+    assert os.environ[CPU_BIND_ENV] == "1"
