@@ -141,7 +141,8 @@ def main() -> None:
         print(tokens, {name: round(m, 1) for name, m in medians.items()},
               {name: round(base / m, 3) for name, m in medians.items()} if base else "", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = result["gpu"].split()[-1].lower()
+    # "NVIDIA H100 80GB HBM3" -> h100
+    name = next((w.lower() for w in result["gpu"].split() if w[:1].isalpha() and w[1:].isdigit()), "gpu")
     (args.out / f"site_costs_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
