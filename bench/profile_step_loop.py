@@ -12,6 +12,9 @@ and by total CPU time, with capserve's phases as `capserve.prepare` and `capserv
   z-armed, z-capture, z-ablate   the `bench_side_by_side` z engine's three cases (32 x (512 + 256))
   bulk                           `bench_bandwidth`'s capture: resid_post at every layer and position, bf16
                                  (64 x (512 + 16))
+  probes                         `bench_readouts`' 8 probes at every position on its lean deployment
+                                 (512 x (512 + 128)): the probes' device work against the step loop's
+                                 filing of 4,096 (request, probe) pairs a decode step
 With `--after CASE` one batch of that case runs first on the same engine: on the H200 every batch
 after a one-layer capture ran ~3 % slower, plan or none, until plain vLLM's batch ran between
 (`bench_side_by_side`); the window of `--case z-armed --after z-capture` against `--case z-armed`
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_bandwidth import Plan
+from bench.bench_readouts import probe_layers, random_probes
 from bench.bench_side_by_side import capserve_submit, deployments, start_capserve
 from bench.common import CONFIGS, VOCAB, Workload, dummy_model_folder, engine_settings, model_shape
 
@@ -49,6 +53,12 @@ def case_setup(case: str, config: str) -> tuple[dict[str, Any], dict[str, Any], 
         reserve = Plan(workload, n_layers, shape["d_model"]).arena_reserve(workload.prompts)
         return ({"armed_kinds": ["resid_post"], "steer_kinds": [], "arena_reserve_bytes": reserve},
                 {"capture": {"hooks": hooks, "positions": "all", "dtype": "bfloat16"}}, workload)
+    if case == "probes":
+        probes = random_probes(shape["d_model"], probe_layers(n_layers))
+        fields = {"probes": probes, "armed_kinds": ["resid_post"], "steer_kinds": ["resid_post"],
+                  "steer_layers": [n_layers // 2]}
+        request = {"readouts": [{"kind": "probe", "probe": name, "positions": "all"} for name in probes]}
+        return fields, request, Workload("probes", 16 if small else 512, 64 if small else 512, 16 if small else 128)
     fields, cases = deployments(n_layers, None)["z"]
     return fields, cases[Z_CASES[case]], Workload("z", 16 if small else 32, 64 if small else 512, 32 if small else 256)
 
@@ -84,7 +94,7 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="llama8b", choices=CONFIGS)
-    parser.add_argument("--case", default="z-capture", choices=[*Z_CASES, "bulk"])
+    parser.add_argument("--case", default="z-capture", choices=[*Z_CASES, "bulk", "probes"])
     parser.add_argument("--after", default=None, choices=list(Z_CASES), help="one batch of this case first (z cases)")
     parser.add_argument("--first-step", type=int, default=None,
                         help="past the warm-up batch's steps (default: 300; bulk, whose batches take ~32 steps, 100)")

@@ -20,7 +20,8 @@
 #   switch   nographs' engine beside the same with switch_context_every_s 0.05 and 0.02 (the engine ends the state
 #            itself), four engines at 0.22 of the memory each, 32 requests (8)
 #   pin      nographs with each engine core's step loop and the driver's event loop on a core of their own (3.5)
-#   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, PROFILE_ARGS adds)
+#   profile  bench.profile_step_loop for z-capture, z-ablate and bulk (3 x ~3; PROFILE_CASES picks, e.g. probes;
+#            PROFILE_ARGS adds)
 #   after    bench.profile_step_loop for z-armed, then z-armed after one z-capture batch (2 x ~3)
 #   clocks   nvidia-smi samples the GPU's clocks, power and utilization every 250 ms from here on (clocks.csv)
 #   bw       bench_bandwidth --via engine-inplace serve (6; BW_VIAS picks)
@@ -48,6 +49,10 @@
 #            vLLM, Llama-3.1-8B shape, both workloads, the lean deployment (R_DEPLOYMENT=default: the defaults); R_ROUNDS (3) (~8)
 #   faults2  bench/gpu/faults.py with two replicas of the 8B shape on one GPU (replicas_per_gpu 2): replica kill,
 #            engine kill, hang (~12)
+#   readiness bench/gpu/readiness.py: serve run cold, then warm from the same compile cache, tiny and the 8B
+#            shape: seconds to /healthz, /readyz, a first reply; what a SIGINT leaves behind (~8)
+#   scaling2 bench_scaling, the 8B shape, one replica holding the GPU against two sharing it (replicas_per_gpu 2),
+#            plain generate at 1x load (~7)
 #   moe      the architecture matrix's mixture-of-experts rows (Qwen3-MoE, Mixtral: router hooks under CUDA graphs),
 #            engines without Inductor (~3)
 # Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
@@ -108,6 +113,9 @@ for part in "$@"; do
           --workloads 512x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q8.log" 2>&1 ;;
     readouts) step readouts python3 -m bench.bench_readouts --config llama8b --rounds ${R_ROUNDS:-3} --deployment ${R_DEPLOYMENT:-lean} --out "$R" > "$R/readouts.log" 2>&1 ;;
     faults2) step faults2 python3 -m bench.gpu.faults --config llama8b --replicas-per-gpu 2 --out "$R" > "$R/faults2.log" 2>&1 ;;
+    readiness) step readiness python3 -m bench.gpu.readiness --out "$R" > "$R/readiness.log" 2>&1 ;;
+    scaling2) step scaling2 python3 -m bench.bench_scaling --config llama8b --replicas 1 2 --replicas-per-gpu 2 --cases generate \
+                --loads 1 --out "$R" > "$R/scaling2.log" 2>&1 ;;
     moe) step moe env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_architectures.py -k "qwen3_moe or mixtral" \
            -q -p no:cacheprovider --junitxml="$R/gpu_suite_moe.xml" > "$R/moe.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;

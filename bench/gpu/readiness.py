@@ -1,0 +1,154 @@
+"""How long `serve run` takes to serve, cold and warm (not CI): per model, `serve run` of a
+serve_config.yaml twice in a row with one compile-cache folder, the first run into an empty folder
+(cold: vLLM compiles and captures its graphs), the second into the folder the first filled (warm:
+issue 46's target is /readyz within 60 s on the H200 for the tiny model).
+
+    python -m bench.gpu.readiness --out DIR                   # GPU host: tiny and llama8b, ~8 min
+    python -m bench.gpu.readiness --models tiny --out DIR     # the CPU build: that it runs
+
+Per run: seconds from the launch to /healthz's first 200 (liveness: the Router answers) and to
+/readyz's first 200 (an engine can serve), then to the first generated reply through the HTTP API;
+after a SIGINT (what scripts/serve.sh sends for a SIGTERM too), the seconds to exit and what stayed
+behind: /dev/shm/capserve-* entries and processes holding GPU memory. A compiled model finds its
+entries in the folder only if the cache key does not change from one start to the next
+(replicas/engine/config.py), so warm - cold is the compile and graph capture that a replacement
+replica skips too. Results go to DIR/readiness_<card>.json, written after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.common import dummy_model_folder, engine_settings, environment, free_port, gpu_memory_used_mib, write_result
+
+START_TIMEOUT_S = 540
+EXIT_TIMEOUT_S = 120
+
+
+def app_config(model: str, port: int, cache_dir: str, device: str) -> dict[str, Any]:
+    """serve_config.yaml's shape: one replica, the model's dummy weights (tiny: the built-in one)."""
+    engine: dict[str, Any] = {"max_model_len": 512, "compile_cache_dir": cache_dir}
+    args: dict[str, Any] = {"model": None, "device": device, "num_replicas": 1, "engine": engine}
+    if model != "tiny":
+        args["model"] = dummy_model_folder(model)
+        engine |= engine_settings(model) | {"load_format": "dummy", "engine_kwargs": {"skip_tokenizer_init": True}}
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "capserve", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": args}],
+    }
+
+
+def status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def generate(base: str, tiny: bool) -> float:
+    """Seconds for one small generate through the HTTP API (token ids: the dummy models have no tokenizer)."""
+    body = {"prompt": "the quick brown fox" if tiny else [11, 12, 13, 14], "max_tokens": 8}
+    request = urllib.request.Request(f"{base}/v1/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    started = time.monotonic()
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        reply.read()
+    return time.monotonic() - started
+
+
+def replica_failure(log: Path) -> str | None:
+    """The last error line of a replica that failed to start, from serve run's log."""
+    lines = log.read_text(errors="replace").splitlines()
+    if not any("the replica will be stopped" in line for line in lines):
+        return None
+    errors = [line for line in lines if "Error" in line and "Traceback" not in line]
+    return errors[-1].strip()[-400:] if errors else "see the log"
+
+
+def shm_entries() -> list[str]:
+    return sorted(glob.glob("/dev/shm/capserve-*"))
+
+
+def one_run(model: str, cache_dir: str, device: str, work: Path) -> dict[str, Any]:
+    port = free_port()
+    config = work / f"serve_{model}.yaml"
+    config.write_text(yaml.safe_dump(app_config(model, port, cache_dir, device)))
+    base = f"http://127.0.0.1:{port}"
+    shm_before = set(shm_entries())
+    log = work / f"serve_{model}.log"
+    launch = [sys.executable, "-c", "import sys; from ray.serve.scripts import cli; sys.exit(cli())", "run", str(config)]
+    started = time.monotonic()
+    server = subprocess.Popen(launch, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    marks: dict[str, Any] = {}
+    try:
+        while "readyz_s" not in marks:
+            if server.poll() is not None:
+                raise RuntimeError(f"serve run exited with {server.returncode} before /readyz (log: {log})")
+            failure = replica_failure(log)
+            if failure:  # Serve would retry the replica until the timeout: the same error each time
+                raise RuntimeError(f"a replica failed to start: {failure} (log: {log})")
+            elapsed = time.monotonic() - started
+            if elapsed > START_TIMEOUT_S:
+                raise TimeoutError(f"/readyz not 200 after {START_TIMEOUT_S} s")
+            if "healthz_s" not in marks and status(f"{base}/healthz") == 200:
+                marks["healthz_s"] = round(time.monotonic() - started, 1)
+            if status(f"{base}/readyz") == 200:
+                marks["readyz_s"] = round(time.monotonic() - started, 1)
+            time.sleep(0.5)
+        marks["first_generate_s"] = round(generate(base, model == "tiny"), 2)
+    finally:
+        stopping = time.monotonic()
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+            marks["killed_after_s"] = EXIT_TIMEOUT_S
+        marks["exit_s"] = round(time.monotonic() - stopping, 1)
+        marks["shm_left"] = sorted(set(shm_entries()) - shm_before)
+        marks["gpu_mib_after"] = gpu_memory_used_mib()
+    return marks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny", "llama8b"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cards = " ".join(environment()["gpu"])
+    name = "readiness_" + ("h200" if "H200" in cards else "h100" if "H100" in cards else "cpu")
+    work = Path(tempfile.mkdtemp(prefix="capserve-readiness-"))
+    results: dict[str, Any] = {}
+    for model in args.models:
+        cache_dir = str(work / f"compile_cache_{model}")  # empty: the first run is cold
+        for start in ("cold", "warm"):
+            try:
+                results.setdefault(model, {})[start] = one_run(model, cache_dir, args.device, work)
+            except Exception as exc:  # the next model still runs; the file says what failed
+                results.setdefault(model, {})[start] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(model, start, json.dumps(results[model][start]), flush=True)
+            write_result(name, {"args": vars(args), "environment": environment(), "results": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()
