@@ -116,7 +116,9 @@ def one_run(model: str, cache_dir: str, device: str, work: Path) -> dict[str, An
         marks["first_generate_s"] = round(generate(base, model == "tiny"), 2)
     finally:
         stopping = time.monotonic()
-        os.killpg(server.pid, signal.SIGINT)
+        # serve run alone, as scripts/serve.sh does: a SIGINT to its whole group would also reach the
+        # Ray processes it started, and the cluster would go before the app could shut down
+        server.send_signal(signal.SIGINT)
         try:
             server.wait(EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
