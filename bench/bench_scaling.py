@@ -86,7 +86,7 @@ def app_args(config: str, model: str, replicas: int, slots: int, max_load: int, 
         "replica_max_ongoing_requests": slots,
         # The overload run puts max_load x capacity requests in flight at once; none may be refused.
         "max_queued_requests": max_load * replicas * slots,
-        "engine": dummy_engine_options(config, ["resid_post"]),
+        "engine": dummy_engine_options(config, ["resid_post"], replicas_per_gpu),
         "drain_timeout_s": 10.0,  # nothing is in flight at shutdown; don't wait on stragglers
         "health_check_timeout_s": 60.0,  # a probe waits for the engine between two steps of a full batch
     }

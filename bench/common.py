@@ -65,8 +65,12 @@ def dummy_model_folder(config_name: str) -> str:
     return str(folder)
 
 
-def engine_settings(config_name: str) -> dict[str, Any]:
-    return dict(TINY_ENGINE_SETTINGS if config_name == "tiny" else ENGINE_SETTINGS)
+def engine_settings(config_name: str, replicas_per_gpu: int = 1) -> dict[str, Any]:
+    """Several replicas on one GPU leave gpu_memory_utilization to the app (0.9 / replicas_per_gpu each)."""
+    settings = dict(TINY_ENGINE_SETTINGS if config_name == "tiny" else ENGINE_SETTINGS)
+    if replicas_per_gpu > 1:
+        settings.pop("gpu_memory_utilization", None)
+    return settings
 
 
 def model_shape(config_name: str) -> dict[str, int]:
@@ -75,11 +79,11 @@ def model_shape(config_name: str) -> dict[str, int]:
     return {"n_layers": config["num_hidden_layers"], "d_model": config["hidden_size"]}
 
 
-def dummy_engine_options(config_name: str, armed: list[str]) -> dict[str, Any]:
+def dummy_engine_options(config_name: str, armed: list[str], replicas_per_gpu: int = 1) -> dict[str, Any]:
     """EngineConfig fields (less `model`) for a dummy-weight engine fed token ids: no tokenizer,
     random weights, capture-only sites (no steering) for the armed kinds."""
     return {
-        **engine_settings(config_name),
+        **engine_settings(config_name, replicas_per_gpu),
         "load_format": "dummy",
         "armed_kinds": armed,
         "steer_kinds": [],

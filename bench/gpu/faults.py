@@ -94,7 +94,7 @@ def app_args(config: str, device: str, replicas_per_gpu: int = 1) -> dict[str, A
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
         "drain_timeout_s": 10,
-        "engine": {**engine_settings(config), "load_format": "dummy", "armed_kinds": ["resid_post"],
+        "engine": {**engine_settings(config, replicas_per_gpu), "load_format": "dummy", "armed_kinds": ["resid_post"],
                    "engine_kwargs": {"skip_tokenizer_init": True}},
     }
 
@@ -216,7 +216,8 @@ def main() -> None:
             payload["faults"][name] = result = run_fault(fleet, loop, TokenMix(shape["n_layers"], shape["d_model"]), name,
                                                                  args.concurrency, app)
             print(json.dumps({name: result}, indent=1), flush=True)
-            write_result(f"faults_{args.config}", payload, args.out)
+            shared = f"_{args.replicas_per_gpu}_per_gpu" if args.replicas_per_gpu > 1 else ""
+            write_result(f"faults_{args.config}{shared}", payload, args.out)
     finally:
         stop_serve()
     lost = sum(f["lost_accepted"] for f in payload["faults"].values())
