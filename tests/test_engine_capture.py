@@ -242,6 +242,20 @@ def test_cancelled_request_frees_its_state(loop, engines):
     assert stats["requests_held"] == 0 and stats["bytes_held"] == 0 and stats["arena_bytes_in_use"] == 0
 
 
+def test_the_sites_device_memory_is_measured_for_vllms_budget(loop, engines, tiny_models):
+    """On a GPU the worker measures what its sites, edit tables and read-outs allocate after the
+    weights (and counts it with them: replicas._vllm.count_with_weights): at least a staging
+    buffer of every layer's residual stream. The CPU engine's KV cache has a set size."""
+    from transformers import AutoConfig
+
+    device_bytes = loop.run(engines["llama"].stats())["device_bytes"]
+    if not ON_GPU:
+        assert device_bytes == 0
+        return
+    config = AutoConfig.from_pretrained(tiny_models["llama"])
+    assert device_bytes >= config.num_hidden_layers * MAX_NUM_BATCHED_TOKENS * config.hidden_size * 4  # float32
+
+
 def test_step_preparation_runs_on_every_step(loop, engines):
     """The fire counter: one prefill step plus one per fed generated token, CUDA graphs or not."""
     engine = engines["llama"]

@@ -385,3 +385,16 @@ def test_a_request_cancelled_again_during_its_take_still_frees_its_blocks_and_bu
     llm, budget = asyncio.run(scenario())
     assert llm.calls[1][1] == [3, 4, 5]  # the blocks went back with the next take RPC
     assert budget.used == 0
+
+
+def test_what_capserve_puts_on_the_device_after_the_weights_is_counted_with_them():
+    """vLLM leaves the KV cache its budget less the weights and a profile run's peak measured from
+    that run's start: the sites installed in between must join the weights, or the KV cache takes
+    their memory too (a 70B fp8 engine ran out at its first batch so)."""
+    from replicas import _vllm
+
+    runner = SimpleNamespace(model_memory_usage=70 << 30)
+    _vllm.count_with_weights(runner, 13 << 30)
+    assert runner.model_memory_usage == 83 << 30
+    with pytest.raises(_vllm.VllmInternalsError, match="count_with_weights"):
+        _vllm.count_with_weights(SimpleNamespace(), 1)

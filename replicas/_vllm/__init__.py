@@ -92,6 +92,7 @@ from replicas._vllm.model import (  # noqa: E402
 from replicas._vllm.runner import (  # noqa: E402
     StepLayout,
     capserve_options,
+    count_with_weights,
     engine_core_pids,
     max_num_tokens,
     request_extra_args,

@@ -29,6 +29,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from replicas import _vllm
 from replicas.worker.blocks import SiteOptions, install_sites
 from replicas.worker.collector import MAX_STEP_BYTES, Collector
@@ -76,6 +78,7 @@ class _CaptureState:
         )
         # results of the latest take RPC, kept until the next one says whether the replica got them
         self.delivered: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        self.device_bytes = 0  # what the above allocated on the GPU (set by the worker, which measures it)
         self._batch: Batch | None = None
         self.steps = 0
         self.tokens = 0  # scheduled over all steps: against steps, how full they ran
@@ -251,6 +254,7 @@ class _CaptureState:
             "requests_held": len(self.table.requests),
             "capture_groups": self.collector.live_groups,
             "bytes_held": self.table.bytes_held(),
+            "device_bytes": self.device_bytes,  # sites, edit tables, SAEs and probes on the GPU (0 on the CPU)
             # worker time outside the forward, for profiling; "outbox" runs on its own thread
             "seconds": dict(self.seconds, outbox=self.outbox.busy_seconds, backlog_wait=self.outbox.wait_seconds),
             **self.outbox.stats(),
@@ -266,6 +270,11 @@ def _result(entry: Entry, deadline: float) -> dict[str, Any]:
     return entry.buffers.wait(deadline - time.monotonic())
 
 
+def device_allocated(device: torch.device) -> int:
+    """Bytes torch holds on a GPU (0 on the CPU, whose KV cache has a set size)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 class _CaptureWorkerMixin:
     """Methods capserve adds to vLLM's worker (all `capserve_`-prefixed)."""
 
@@ -278,7 +287,13 @@ class _CaptureWorkerMixin:
 
     def capserve_install(self) -> None:
         options = _vllm.capserve_options(self.vllm_config)  # type: ignore[attr-defined]
-        self.capserve_state = _CaptureState(_vllm.worker_runner(self), options)
+        runner = _vllm.worker_runner(self)
+        device = _vllm.runner_device(runner)
+        before = device_allocated(device)
+        self.capserve_state = _CaptureState(runner, options)
+        installed = self.capserve_state.device_bytes = device_allocated(device) - before
+        if installed > 0:  # in vLLM's budget for the KV cache, as the weights are
+            _vllm.count_with_weights(runner, installed)
 
     def capserve_take(
         self, keys: list[str], released: list[int] | None = None, call: int | None = None, abandoned: list[int] | None = None
