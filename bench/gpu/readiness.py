@@ -93,7 +93,11 @@ def one_run(model: str, cache_dir: str, device: str, work: Path) -> dict[str, An
     base = f"http://127.0.0.1:{port}"
     shm_before = set(shm_entries())
     log = work / f"serve_{model}.log"
-    launch = [sys.executable, "-c", "import sys; from ray.serve.scripts import cli; sys.exit(cli())", "run", str(config)]
+    # SIGINT back to its default, as scripts/serve.sh does: bench/gpu/session.sh runs in the background,
+    # which hands SIGINT down as ignored, and serve run would never see the one sent below (2026-12-06:
+    # both cards' runs were killed after 120 s with their shared memory and GPU memory still held)
+    launch = ["env", "--default-signal=INT", sys.executable, "-c", "import sys; from ray.serve.scripts import cli; sys.exit(cli())",
+              "run", str(config)]
     started = time.monotonic()
     server = subprocess.Popen(launch, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                               start_new_session=True)
@@ -139,7 +143,8 @@ def main() -> None:
     args = parser.parse_args()
     cards = " ".join(environment()["gpu"])
     name = "readiness_" + ("h200" if "H200" in cards else "h100" if "H100" in cards else "cpu")
-    work = Path(tempfile.mkdtemp(prefix="capserve-readiness-"))
+    work = Path(args.out or tempfile.mkdtemp(prefix="capserve-readiness-")) / "readiness_logs"  # serve run's logs, kept beside the results
+    work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for model in args.models:
         cache_dir = str(work / f"compile_cache_{model}")  # empty: the first run is cold
