@@ -29,6 +29,7 @@ from bench.common import write_result
 from replicas._vllm import StepLayout
 from replicas.plans.readouts import ReadoutPlan
 from replicas.plans.request import RequestPlan, SaePlan
+from replicas.readouts.store import ProbeStores
 from replicas.sae.device import packed_width
 from replicas.worker.blocks import SiteOptions, _build_sites
 from replicas.worker.collector import READOUT_SPECS, SAE_SPECS, Collector
@@ -42,6 +43,9 @@ SCENARIOS = ("probe", "lens", "sae")
 class Outbox:
     writer = None  # no arena: nothing is handed over here
 
+    def __init__(self) -> None:
+        self.probes = ProbeStores()
+
 
 def spec_list(kind: str, specs: int, max_rows: int) -> list[Any]:
     if kind == "sae":
@@ -53,14 +57,14 @@ def spec_list(kind: str, specs: int, max_rows: int) -> list[Any]:
             for j in range(specs)]
 
 
-def table_of(kind: str, args: argparse.Namespace) -> RequestTable:
+def table_of(kind: str, args: argparse.Namespace, outbox: Outbox) -> RequestTable:
     table = RequestTable()
     max_rows = args.prompt_len + args.decode_steps
     for i in range(args.requests):
         specs = spec_list(kind, args.specs, max_rows)
         plan = RequestPlan(f"k{i}", args.prompt_len, None, None, sae=specs if kind == "sae" else [],
                            readouts=[] if kind == "sae" else specs)
-        buffers = RequestBuffers.for_plan(plan, D_MODEL, VOCAB, None)
+        buffers = RequestBuffers.for_plan(plan, D_MODEL, VOCAB, None, outbox.probes)
         table.admit(f"r{i}", plan, buffers, -1)
     return table
 
@@ -96,7 +100,7 @@ def step_rows(kind: str, groups: list[tuple[list[Any], Any]]) -> list[StepRows]:
             shape, dtype = (1, len(selection.rows), 2 * width), torch.int32
         buffers = [entry.buffers for entry in selection.requests]
         out.append(StepRows("sae" if kind == "sae" else "readout", torch.zeros(shape, dtype=dtype), None, buffers,
-                            selection.offsets, selection.counts, selection.dests, selection.targets))
+                            selection.offsets, selection.counts, selection.dests, selection.targets, selection.probe))
     return out
 
 
@@ -110,7 +114,7 @@ def median_us(call: Callable[[], Any], repeats: int) -> float:
 
 
 def run(kind: str, decode: bool, collector: Collector, args: argparse.Namespace) -> dict[str, Any]:
-    table = table_of(kind, args)
+    table = table_of(kind, args, collector.outbox)
     batch = batch_of(table, args, decode)
     chunks = chunks_of(batch, table)
     groups = select(collector, table, chunks, kind)

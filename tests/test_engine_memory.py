@@ -15,6 +15,7 @@ import torch
 from replicas._vllm import StepLayout
 from replicas.api import GenerateRequest, ModelInfo
 from replicas.arena.client import ArenaBudget, BatchedTake
+from replicas.readouts.store import ProbeStores
 from replicas.worker.blocks import SiteOptions, _build_sites
 from replicas.worker.collector import Collector
 from replicas.worker.edit_table import EditTable
@@ -183,6 +184,7 @@ class Outbox:
 
     def __init__(self) -> None:
         self.steps: list = []
+        self.probes = ProbeStores()
 
     def put(self, rows) -> None:
         self.steps.append(rows)

@@ -7,12 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import numpy as np
+import gc
 
+import numpy as np
+import torch
+
+from replicas.api import arrays
 from replicas.plans.readouts import ReadoutPlan
 from replicas.plans.request import RequestPlan, SaePlan
 from replicas.plans.positions import selected_offsets
 from replicas.worker.collector import READOUT_SPECS, SAE_SPECS, Collector
+from replicas.readouts.store import ProbeStore
+from replicas.worker.outbox import RequestBuffers, StepRows
 from replicas.worker.request_table import Batch, Entry, RequestTable
 from replicas.worker.spec_select import SpecKind
 from tests.test_engine_memory import CPU, Outbox, sites_of
@@ -80,12 +86,20 @@ def one_pair_at_a_time(
     return groups
 
 
-def admitted(specs: list[list[Any]], kind: SpecKind, prompts: list[int] = PROMPTS) -> tuple[RequestTable, list[Entry]]:
+def admitted(specs: list[list[Any]], kind: SpecKind, outbox: Outbox, prompts: list[int] = PROMPTS) -> tuple[RequestTable, list[Entry]]:
+    """A request table with these plans; a probe's rows get their region in the outbox's store."""
     table = RequestTable()
     for i, (asked, prompt_len) in enumerate(zip(specs, prompts, strict=True)):
         plan = RequestPlan(f"k{i}", prompt_len, None, None, **{kind.field: asked})
-        table.admit(f"r{i}", plan, None, -1)
+        table.admit(f"r{i}", plan, RequestBuffers.for_plan(plan, 8, 50, None, outbox.probes), -1)
     return table, [table.requests[f"r{i}"] for i in range(len(specs))]
+
+
+def taken(spec: Any, outbox: Outbox) -> int:
+    """Rows counted for a spec: a probe's by its store, the rest by the spec."""
+    if getattr(spec, "kind", None) == "probe":
+        return int(outbox.probes[spec.probe].taken[spec.region])
+    return spec.taken
 
 
 def step_chunks(entries: list[Entry], step: list[tuple[int, int, int]]) -> list[np.ndarray]:
@@ -96,31 +110,39 @@ def step_chunks(entries: list[Entry], step: list[tuple[int, int, int]]) -> list[
 
 
 def test_every_pair_at_once_selects_the_rows_counts_and_dests_of_one_pair_at_a_time() -> None:
-    collector = Collector(None, sites_of(), 50, CPU, Outbox())
+    outbox = Outbox()
+    collector = Collector(None, sites_of(), 50, CPU, outbox)
     for kind, specs, key, width in ((READOUT_SPECS, readouts(), lambda s: s.group, lambda s: s.width),
                                     (SAE_SPECS, saes(), lambda s: s.sae_id, lambda s: s.top_k)):
-        table, entries = admitted(specs, kind)
-        taken: dict[int, int] = {}
+        table, entries = admitted(specs, kind, outbox)
+        counted: dict[int, int] = {}
         for number, step in enumerate(STEPS):
             chunks = step_chunks(entries, step)
-            want = one_pair_at_a_time(entries, chunks, lambda e: getattr(e.plan, kind.field), key, width, taken)
+            want = one_pair_at_a_time(entries, chunks, lambda e: getattr(e.plan, kind.field), key, width, counted)
             got = collector._spec_groups(table, chunks, kind)
             assert len(got) == len(want), (kind.field, number)
             for (specs_got, selection), (specs_want, members, targets, rows, counts, dests, widest) in zip(got, want):
-                assert [id(s) for s in specs_got] == [id(s) for s in specs_want], (kind.field, number)
+                if getattr(specs_want[0], "kind", None) == "probe":  # its first spec stands for all
+                    assert [id(s) for s in specs_got] == [id(specs_want[0])]
+                    store, regions = selection.probe
+                    assert regions.tolist() == [s.region for s in specs_want]
+                else:
+                    assert [id(s) for s in specs_got] == [id(s) for s in specs_want], (kind.field, number)
+                    assert selection.probe is None
                 assert [e.name for e in selection.requests] == [e.name for e in members]
                 assert selection.targets == (targets, widest)
                 assert selection.rows.tolist() == rows, (kind.field, number)
                 assert selection.counts.tolist() == counts and selection.dests.tolist() == dests
                 assert selection.offsets.tolist() == (np.cumsum(counts) - counts).tolist()
-        assert [s.taken for e in entries for s in getattr(e.plan, kind.field)] == \
-            [taken.get(id(s), 0) for e in entries for s in getattr(e.plan, kind.field)]
+        assert [taken(s, outbox) for e in entries for s in getattr(e.plan, kind.field)] == \
+            [counted.get(id(s), 0) for e in entries for s in getattr(e.plan, kind.field)]
 
 
 def test_the_groups_of_a_step_by_hand() -> None:
     """Step 3 of STEPS: A decodes position 10, B re-runs 0..8 of which only 8 is fresh, C decodes 6."""
-    collector = Collector(None, sites_of(), 50, CPU, Outbox())
-    table, entries = admitted(readouts(), READOUT_SPECS)
+    outbox = Outbox()
+    collector = Collector(None, sites_of(), 50, CPU, outbox)
+    table, entries = admitted(readouts(), READOUT_SPECS, outbox)
     for step in STEPS[:2]:
         collector._spec_groups(table, step_chunks(entries, step), READOUT_SPECS)
     groups = collector._spec_groups(table, step_chunks(entries, STEPS[2]), READOUT_SPECS)
@@ -131,7 +153,7 @@ def test_the_groups_of_a_step_by_hand() -> None:
     assert [e.name for e in p1.requests] == [entries[0].name, entries[0].name, entries[1].name]
     assert p1.targets == ([0, 3, 2], 1) and p1.rows.tolist() == [0, 0, 9] and p1.counts.tolist() == [1, 1, 1]
     assert p1.dests.tolist() == [10, 0, 2]  # A's "all": 10 rows before; its "generated": none; B's [5, 0, 8]: 5 and 0
-    assert [s.taken for s in specs] == [11, 1, 3]
+    assert [taken(s, outbox) for s in (entries[0].plan.readouts[0], entries[0].plan.readouts[3], entries[1].plan.readouts[2])] == [11, 1, 3]
     _, p2 = by_key[("probe", "p2")]
     assert p2.rows.tolist() == [9] and p2.dests.tolist() == [8] and p2.targets == ([1], 3)  # A's [1, 9, 11] selects none
     _, lens_2 = by_key[("lens", (2, "resid_pre"), -1)]
@@ -142,9 +164,10 @@ def test_the_groups_of_a_step_by_hand() -> None:
 
 def test_a_steps_read_out_sites_are_the_union_of_its_requests_sets_held_while_they_run() -> None:
     sites = sites_of()
-    collector = Collector(None, sites, 50, CPU, Outbox())
+    outbox = Outbox()
+    collector = Collector(None, sites, 50, CPU, outbox)
     # A and B read (1, resid_post) and (0, resid_pre); C and D (1, resid_post) and (2, resid_pre)
-    table, entries = admitted(readouts() + readouts()[2:], READOUT_SPECS, PROMPTS + [5])
+    table, entries = admitted(readouts() + readouts()[2:], READOUT_SPECS, outbox, PROMPTS + [5])
     sets = table.site_sets
     a_sites, c_sites = frozenset({(1, "resid_post"), (0, "resid_pre")}), frozenset({(1, "resid_post"), (2, "resid_pre")})
     assert set(sets.ids) == {a_sites, c_sites}
@@ -161,3 +184,61 @@ def test_a_steps_read_out_sites_are_the_union_of_its_requests_sets_held_while_th
     assert collector.captured_sites(batch, table) == {sites[(1, "resid_post")], sites[(0, "resid_pre")]}
     table.retire("r1", entries[1])
     assert not sets.ids and collector.captured_sites(batch, table) == set()
+
+
+# ---------------------------------------------------------------- a probe's rows in one store
+
+
+def test_a_probes_rows_of_every_request_go_in_with_one_copy_and_read_back_exactly() -> None:
+    store = ProbeStore(width=2, rows=8)
+    a, b, c = store.allocate(3), store.allocate(5), store.allocate(2)
+    first = np.arange(12, dtype=np.float32).reshape(6, 2)  # a 1 row, b 3, c 2
+    regions, counts = np.array([a, b, c]), np.array([1, 3, 2])
+    assert store.file(regions, store.count(regions, counts), counts, first).tolist() == []
+    second = -np.arange(8, dtype=np.float32).reshape(4, 2)  # a 2 rows, b 1, c 1: c past its 2
+    counts = np.array([2, 1, 1])
+    assert store.file(regions, store.count(regions, counts), counts, second).tolist() == [2]
+    np.testing.assert_array_equal(store.read(a), np.concatenate([first[:1], second[:2]]))
+    np.testing.assert_array_equal(store.read(b), np.concatenate([first[1:4], second[2:3]]))
+    np.testing.assert_array_equal(store.read(c), first[4:6])  # its third row was left out, nothing else moved
+
+
+def test_a_probe_store_grows_keeping_its_rows_and_reuses_what_requests_free() -> None:
+    store = ProbeStore(width=1, rows=4)
+    regions = [store.allocate(3) for _ in range(5)]  # 15 rows: grown twice
+    counts = np.full(5, 3)
+    rows = np.arange(15, dtype=np.float32)[:, None]
+    store.file(np.array(regions), store.count(np.array(regions), counts), counts, rows)
+    assert [store.read(r)[:, 0].tolist() for r in regions] == [list(range(3 * i, 3 * i + 3)) for i in range(5)]
+    size = len(store.data)
+    for r in regions[1:4]:
+        store.free(r)
+    nine = store.allocate(9)  # the three freed neighbours, merged: no growth
+    assert len(store.data) == size and store.start[nine] == store.start[regions[1]] and store.taken[nine] == 0
+    assert store.read(regions[4])[:, 0].tolist() == [12, 13, 14]
+
+
+def test_probe_rows_filed_from_a_step_reach_the_result_and_their_regions_go_with_the_request() -> None:
+    outbox = Outbox()
+    collector = Collector(None, sites_of(), 50, CPU, outbox)
+    plans = [[probe("p2", "all", 3)], [probe("p2", "all", 3), probe("p1", "all")]]
+    table, entries = admitted(plans, READOUT_SPECS, outbox, [4, 3])
+    for step in ([(0, 4, 0), (0, 3, 0)], [(4, 1, 0), (3, 1, 0)]):
+        for _, selection in collector._spec_groups(table, step_chunks(entries, step), READOUT_SPECS):
+            width = selection.targets[1]
+            block = np.arange(len(selection.rows) * width, dtype=np.float32).reshape(1, -1, width) + 100 * selection.rows[None, :, None]
+            buffers = [entry.buffers for entry in selection.requests]
+            StepRows("readout", torch.from_numpy(block), None, buffers, selection.offsets, selection.counts, selection.dests,
+                     selection.targets, selection.probe).file()
+    # step rows: A's prompt 0..3 and B's 4..6, then A's position 4 and B's 3 at rows 0 and 1; a block's
+    # i-th row starts with 100 x its step row + 3 i
+    a, b = (entry.buffers.readouts[0].result(prompt_len) for entry, prompt_len in zip(entries, (4, 3)))
+    assert list(a["positions"]) == [0, 1, 2, 3, 4] and list(b["positions"]) == [0, 1, 2, 3]
+    values = arrays.from_raw(a["values"])
+    assert values.shape == (5, 3) and values[:, 0].tolist() == [0, 103, 206, 309, 0]
+    assert values[1].tolist() == [103, 104, 105]
+    assert arrays.from_raw(b["values"])[:, 0].tolist() == [412, 515, 618, 103]
+    store = outbox.probes["p2"]
+    del a, b, entries, table, selection, buffers  # the last step's hand-over held B too
+    gc.collect()
+    assert store.holes == [(0, len(store.data))]  # every region back

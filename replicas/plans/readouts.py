@@ -21,7 +21,8 @@ class ReadoutPlan:
     width: int  # lenses: top_k; probes: n_out
     translator: int = -1  # tuned_lens: index of the translator (the block whose input the rows are)
     probe: str | None = None
-    taken: int = 0
+    taken: int = 0  # lenses; a probe's count is its region's in the probe's store (replicas.readouts.store)
+    region: int = -1  # probes: their rows' region in that store
 
     @property
     def group(self) -> Hashable:

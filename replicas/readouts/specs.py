@@ -16,6 +16,7 @@ metadata (`__metadata__`) `hook`, the hook it reads (the engine option may name 
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from replicas.api.errors import PlanError
 from replicas.api.readouts import check_lens_hook
 from replicas.plans.readouts import ReadoutPlan
 from replicas.plans.positions import captured_positions, check_positions, count_positions
+from replicas.readouts.store import ProbeStore, ProbeStores
 
 LENS_CONFIG = "config.json"
 LENS_PARAMS = "params.safetensors"
@@ -240,34 +242,42 @@ def unpacked(block: np.ndarray, k_max: int) -> ReadoutBlock:
 
 @dataclass
 class ReadoutRows:
-    """One read-out of one request, filled by the outbox thread."""
+    """One read-out of one request, filled by the outbox thread: a lens's arrays, or a probe's
+    region in its probe's store (freed with this object)."""
 
     plan: ReadoutPlan
     ids: np.ndarray | None = None  # lenses: [max_rows, top_k] int32
     logprobs: np.ndarray | None = None  # lenses: [max_rows, top_k] float32
-    values: np.ndarray | None = None  # probes: [max_rows, n_out] float32
+    store: ProbeStore | None = None  # probes
 
     @classmethod
-    def for_plan(cls, plan: ReadoutPlan) -> ReadoutRows:
-        shape = (plan.max_rows, plan.width)
+    def for_plan(cls, plan: ReadoutPlan, stores: ProbeStores | None = None) -> ReadoutRows:
         if plan.kind == "probe":
-            return cls(plan, values=np.empty(shape, np.float32))
+            if stores is None:
+                raise ValueError("a probe's rows go to the outbox's probe stores; none were given")
+            store = stores.for_probe(plan.probe, plan.width)
+            plan.region = store.allocate(plan.max_rows)
+            rows = cls(plan, store=store)
+            weakref.finalize(rows, store.free, plan.region)
+            return rows
+        shape = (plan.max_rows, plan.width)
         return cls(plan, ids=np.empty(shape, np.int32), logprobs=np.empty(shape, np.float32))
 
     def add(self, block: ReadoutBlock, lo: int, n: int, dest: int) -> None:
-        """Rows lo:lo+n of a step's block (`unpacked`)."""
-        first, logprobs = block
-        if self.values is not None:
-            self.values[dest : dest + n] = first[lo : lo + n]
-            return
+        """A lens's rows lo:lo+n of a step's block (`unpacked`)."""
+        ids, logprobs = block
         k = self.plan.width
-        self.ids[dest : dest + n] = first[lo : lo + n, :k]
+        self.ids[dest : dest + n] = ids[lo : lo + n, :k]
         self.logprobs[dest : dest + n] = logprobs[lo : lo + n, :k]
 
     def result(self, prompt_len: int) -> dict[str, Any]:
-        n, plan = self.plan.taken, self.plan
-        raw = {name: None if array is None else dict(arrays.to_raw(array[:n]))
-               for name, array in (("ids", self.ids), ("logprobs", self.logprobs), ("values", self.values))}
+        plan = self.plan
+        if self.store is not None:
+            values = self.store.read(plan.region)
+            n, raw = len(values), {"ids": None, "logprobs": None, "values": dict(arrays.to_raw(values))}
+        else:
+            n = plan.taken
+            raw = {"ids": dict(arrays.to_raw(self.ids[:n])), "logprobs": dict(arrays.to_raw(self.logprobs[:n])), "values": None}
         return {"kind": plan.kind, "hook": plan.hook, "probe": plan.probe,
                 "positions": captured_positions(plan.positions, prompt_len, n), **raw}
 

@@ -30,6 +30,7 @@ from replicas.worker.outbox import Outbox, StepRows, fail_all
 from replicas.plans.request import CapturePlan
 from replicas.plans.positions import EXPLICIT, concatenated_ranges, selected_offsets, selected_spans
 from replicas.worker.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
+from replicas.readouts.store import ProbeStore
 from replicas.readouts.device import DeviceReadouts, lens_row_bytes, probe_row_bytes
 from replicas.sae.device import DeviceSae, encode_packed, packed_width, row_bytes
 from replicas.worker.sites import Site, stacked_rows, to_device
@@ -40,7 +41,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 MAX_STEP_BYTES = 256 << 20  # EngineConfig.max_step_temp_bytes
 GroupSites = tuple[list[Site], str, str]  # (sites, dtype, reduce)
 SAE_SPECS = SpecKind("sae", lambda spec: spec.sae_id, lambda spec: spec.top_k)
-READOUT_SPECS = SpecKind("readouts", lambda spec: spec.group, lambda spec: spec.width)
+READOUT_SPECS = SpecKind("readouts", lambda spec: spec.group, lambda spec: spec.width, lambda spec: spec.region)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Selection:
     dests: np.ndarray  # where request i's rows go in its buffer
     # SAE and read-out rows: (the index of request i's spec in its plan, the block's k_max or width)
     targets: tuple[list[int], int] | None = None
+    probe: tuple[ProbeStore, np.ndarray] | None = None  # a probe's rows: its store, request i's region there
 
     def subset(self, keep: np.ndarray) -> Selection:
         """The rows of the requests where keep is True."""
@@ -413,25 +415,31 @@ class Collector:
 
     def _queue(self, kind: str, host: torch.Tensor, event: Any, selection: Selection) -> None:
         buffers = [entry.buffers for entry in selection.requests]
-        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.targets))
+        self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.targets,
+                                 selection.probe))
 
     def _spec_groups(self, requests: RequestTable, chunks: list[np.ndarray], kind: SpecKind) -> list[tuple[list[Any], Selection]]:
         """The step's rows of SAE or read-out specs, in groups of specs that one device computation
-        serves (`replicas.worker.spec_select`): the group's specs, and a Selection whose targets
-        are each member's spec index and the group's width. Counts the rows as taken."""
+        serves (`replicas.worker.spec_select`): the group's specs (a probe's first alone: its store
+        counts and files every member's rows at once), and a Selection whose targets are each
+        member's spec index and the group's width. Counts the rows as taken."""
         entries = [requests.entry_at[handle] for handle in chunks[0].tolist()]
         codes = [self._spec_codes(entry, kind) for entry in entries]
-        groups = []
+        groups, regions = [], None
         for group in pair_groups(codes, chunks):
-            members = group.request.tolist()
-            targets = group.spec.tolist()
-            specs = [codes[k].specs[j] for k, j in zip(members, targets)]
-            dests = np.fromiter((spec.taken for spec in specs), np.int64, len(specs))
-            for spec, n in zip(specs, group.counts.tolist()):
-                spec.taken += n
-            selection = Selection([entries[k] for k in members], group.rows, group.offsets, group.counts, dests,
-                                  targets=(targets, group.width))
-            groups.append((specs, selection))
+            members, targets = group.request.tolist(), group.spec.tolist()
+            probe, specs = None, [codes[members[0]].specs[targets[0]]]
+            if getattr(specs[0], "kind", None) == "probe":
+                regions = np.concatenate([c.regions for c in codes]) if regions is None else regions
+                probe = (self.outbox.probes[specs[0].probe], regions[group.pair])
+                dests = probe[0].count(probe[1], group.counts)
+            else:
+                specs = [codes[k].specs[j] for k, j in zip(members, targets)]
+                dests = np.fromiter((spec.taken for spec in specs), np.int64, len(specs))
+                for spec, n in zip(specs, group.counts.tolist()):
+                    spec.taken += n
+            groups.append((specs, Selection([entries[k] for k in members], group.rows, group.offsets, group.counts, dests,
+                                            (targets, group.width), probe)))
         return groups
 
     def _spec_codes(self, entry: Entry, kind: SpecKind) -> SpecCodes:

@@ -49,6 +49,7 @@ from replicas.api.errors import OUTBOX_DEAD, OUTBOX_STUCK
 from replicas.plans.request import RequestPlan
 from replicas.plans.positions import captured_positions
 from replicas.readouts.specs import ReadoutRows
+from replicas.readouts.store import ProbeStore, ProbeStores
 from replicas.readouts.specs import unpacked as readout_columns
 from replicas.sae.specs import SaeRows
 from replicas.sae.specs import unpacked as sae_columns
@@ -98,10 +99,13 @@ class RequestBuffers:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def for_plan(cls, plan: RequestPlan, d_model: int, vocab: int, arena: ArenaLayout | None) -> RequestBuffers:
+    def for_plan(
+        cls, plan: RequestPlan, d_model: int, vocab: int, arena: ArenaLayout | None, probes: ProbeStores | None = None
+    ) -> RequestBuffers:
+        """`probes`: the outbox's probe stores (`Outbox.probes`), where a probe's rows go."""
         buffers = cls(plan)
         buffers.sae = [SaeRows.for_plan(spec, d_model) for spec in plan.sae]
-        buffers.readouts = [ReadoutRows.for_plan(readout) for readout in plan.readouts]
+        buffers.readouts = [ReadoutRows.for_plan(readout, probes) for readout in plan.readouts]
         capture = plan.capture
         if capture is not None:
             dtype = arrays.DTYPES[capture.dtype]
@@ -219,6 +223,8 @@ class StepRows:
     counts: np.ndarray
     dests: np.ndarray  # where request i's rows go in its buffer
     targets: tuple[list[int], int] | None = None  # kinds "sae", "readout": (request i's spec, the block's k_max or width)
+    # a probe's rows: its store and request i's region there, filed with one copy
+    probe: tuple[ProbeStore, np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -228,6 +234,11 @@ class StepRows:
     def file(self) -> None:
         """Copy each request's rows into its buffer (the copy to host must be done)."""
         data = _to_numpy(self.tensor)
+        if self.probe is not None:  # one copy for every request (replicas.readouts.store)
+            store, regions = self.probe
+            for member in store.file(regions, self.dests, self.counts, data[0]).tolist():
+                self.requests[member].fail(f"capture failed in the worker: more {self.kind} rows than planned")
+            return
         specs, block = [], None
         if self.kind in ("sae", "readout"):  # the block's columns as views once, not once a member
             specs, k_max = self.targets
@@ -270,6 +281,7 @@ class Outbox:
         self.arena_lock = threading.Lock()  # the arena and its table: the step loop takes blocks, this thread gives them back
         self.arena = self.writer = None
         self.arena_layout = None
+        self.probes = ProbeStores()  # every request's probe rows, filed here
         if spill_dir:
             self._open_arena(ArenaLayout.for_model(spill_dir, d_model), arena_max_bytes, arena_reserve_bytes, device)
         self._work: queue.SimpleQueue[StepRows | tuple[str, RequestBuffers] | list[int]] = queue.SimpleQueue()

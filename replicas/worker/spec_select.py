@@ -29,6 +29,7 @@ class SpecKind:
     field: str  # "sae" | "readouts"
     key: Callable[[Any], Hashable]
     width: Callable[[Any], int]
+    region: Callable[[Any], int] = lambda spec: -1  # a probe's region in its store (replicas.readouts.store)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SpecCodes:
     modes: np.ndarray  # position mode codes (replicas.plans.positions.MODE_CODES, EXPLICIT)
     keys: np.ndarray  # group keys, interned
     widths: np.ndarray
+    regions: np.ndarray  # probes' regions in their stores; -1 for the rest
 
 
 class KeyIds:
@@ -51,7 +53,7 @@ class KeyIds:
         keys = [self.ids.setdefault(kind.key(spec), len(self.ids)) for spec in specs]
         return SpecCodes(
             specs, np.array([mode_code(spec.positions) for spec in specs], np.int64), np.array(keys, np.int64),
-            np.array([kind.width(spec) for spec in specs], np.int64),
+            np.array([kind.width(spec) for spec in specs], np.int64), np.array([kind.region(spec) for spec in specs], np.int64),
         )
 
 
@@ -65,6 +67,7 @@ class PairGroup:
     counts: np.ndarray
     rows: np.ndarray
     width: int  # the widest member's
+    pair: np.ndarray  # the pairs' indices in the step's list of every request's specs, in order
 
     @property
     def offsets(self) -> np.ndarray:
@@ -103,7 +106,7 @@ def pair_groups(codes: list[SpecCodes], chunks: list[np.ndarray]) -> list[PairGr
         lo, hi = int(bounds[g]), int(bounds[g + 1])
         pairs = order[lo:hi]
         groups.append(PairGroup(request[pairs], spec[pairs], counts[lo:hi], rows[ends[lo] - counts[lo] : ends[hi - 1]],
-                                int(widths[lo:hi].max())))
+                                int(widths[lo:hi].max()), pairs))
     return groups
 
 

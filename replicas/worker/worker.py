@@ -160,7 +160,8 @@ class _CaptureState:
         if plan is None:
             return UNPLANNED
         returns_data = plan.capture is not None or plan.logits_positions is not None or bool(plan.sae) or bool(plan.readouts)
-        buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size, self.outbox.arena_layout) if returns_data else None
+        buffers = RequestBuffers.for_plan(plan, self.layout.d_model, self.layout.vocab_size, self.outbox.arena_layout,
+                                          self.outbox.probes) if returns_data else None
         group = -1 if plan.capture is None else self.collector.group(plan.capture)
         entry = self.table.admit(req_id, plan, buffers, group)
         if returns_data and self.outbox.failure is not None:  # nothing it captures could be delivered
