@@ -4,6 +4,7 @@ an in-process Ray Serve start, a closed-loop client and result files (written wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -92,9 +93,18 @@ def dummy_engine_options(config_name: str, armed: list[str], replicas_per_gpu: i
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out (bind to 0)
+    may go to any outgoing connection before the server that was to listen on it binds, and a Serve
+    proxy failed so in CI (2026-12-06, its port taken in the 10 minutes between test collection and
+    the module's start). Ray's own worker ports sit at 10002-19999 by default."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, max(low, 20001)), min(200, max(low - 20000, 1))):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port in 20000-{low - 1}")
 
 
 def start_serve(port: int | None = None, num_cpus: int | None = None) -> None:

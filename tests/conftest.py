@@ -151,6 +151,24 @@ def engines(loop: LoopThread, tiny_models: dict[str, str]) -> Iterator[dict[str,
         loop.run(engine.shutdown())
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _ray_ends_with_its_module() -> Iterator[None]:
+    """Each module starts its own Ray cluster; one whose start failed leaves Ray up in this worker,
+    and every later module's ray.init would fail with it (and code asking the running Serve for its
+    settings would read the dead module's). Shut down after the module's own fixtures."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_vllm() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 from bench.load import wait_engine_gone
+from bench.common import free_port
 from provider.dataset.shards import Capture, finished_shards, load_capture
 from replicas.shards.sink import SinkOptions
 
@@ -33,12 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 HOOK = "blocks.1.hook_resid_post"
 N_PROMPTS = 500
 TOL = 1e-5  # the same weights and kernels; batch composition may only move the last bits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt(i: int) -> str:

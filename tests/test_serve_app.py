@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.common import free_port
 from replicas.api.arrays import DTYPES
 from replicas.api.errors import InvalidRequestError
 from replicas.tiny import make_tiny_model
@@ -29,13 +29,7 @@ from tests.hf_reference import hf_activations
 
 pytestmark = pytest.mark.serve
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-PORT = _free_port()  # other test runs may share this machine
+PORT = free_port()  # other test runs may share this machine
 URL = f"http://127.0.0.1:{PORT}"
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

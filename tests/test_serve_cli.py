@@ -29,18 +29,13 @@ import httpx
 import pytest
 import yaml
 
+from bench.common import free_port
 from tests.test_readme import quickstart_snippets, with_port
 
 pytestmark = pytest.mark.serve
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_in_use(port: int) -> bool:
