@@ -100,7 +100,8 @@ def free_port() -> int:
     low = 32768
     with contextlib.suppress(OSError, ValueError):
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(20000, max(low, 20001)), min(200, max(low - 20000, 1))):
+    candidates = range(20000, max(low, 20001))
+    for port in random.sample(candidates, min(200, len(candidates))):
         with socket.socket() as s, contextlib.suppress(OSError):
             s.bind(("127.0.0.1", port))
             return port

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -157,8 +158,6 @@ def _ray_ends_with_its_module() -> Iterator[None]:
     and every later module's ray.init would fail with it (and code asking the running Serve for its
     settings would read the dead module's). Shut down after the module's own fixtures."""
     yield
-    import sys
-
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         from ray import serve

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pickle
 import secrets
-import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from bench.common import free_port
 from bench.load import Fleet, Mix, RssSampler, Stream, burst, engine_core, kill_pids, rss_mib, wait_engine_gone, wait_until
 from replicas.tiny import make_tiny_model
 from tests.reliability.reference import Reference
@@ -29,14 +29,7 @@ from tests.reliability.reference import Reference
 pytestmark = pytest.mark.serve
 
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-PORT = _free_port()  # other runs may share this machine
+PORT = free_port()  # other runs may share this machine
 URL = f"http://127.0.0.1:{PORT}"
 KEY = "capserve-" + secrets.token_hex(12)  # unique, so finding it in a log means it leaked
 AUTH = {"Authorization": f"Bearer {KEY}"}
