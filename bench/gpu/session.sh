@@ -41,8 +41,9 @@
 #            8B-shaped step, per deployment (plain, lean, capture_all, steer_resid, default); needs the bundle (2)
 #   ctxcost  bench/gpu/context_cost.py: switch_context_every_s's second context: device memory, creation, a launch's
 #            host time; torch alone, like state (0.2)
-#   q70      bench_quantized: Llama-3.1-70B shape in online fp8, plain vLLM then capserve's defaults (one copy fits
-#            an H200), 32 x (512+256) and 128 x (512+128); Q_ROUNDS (3) (~10)
+#   q70      bench_quantized: Llama-3.1-70B shape in online fp8, plain vLLM then capserve with steer_layers at one
+#            layer, then the defaults (one copy fits an H200), 32 x (512+256) and 128 x (512+128); Q_ROUNDS (3),
+#            Q70_DEPLOYMENTS ("steer-layer default") (~14)
 #   q8       bench_quantized: Llama-3.1-8B shape in online fp8, plain beside capserve's defaults and steer-layer,
 #            512 x (512+128), side by side; Q_ROUNDS (3) (~9)
 #   readouts bench_readouts: logit lens, 8 probes, probe-gated steering and a 16k-feature SAE read-out beside plain
@@ -108,6 +109,7 @@ for part in "$@"; do
     sites) step sites python3 bench/gpu/site_costs.py --out "$R" > "$R/sites.log" 2>&1 ;;
     ctxcost) step ctxcost python3 bench/gpu/context_cost.py --out "$R" > "$R/ctxcost.log" 2>&1 ;;
     q70) step q70 python3 -m bench.bench_quantized --config llama70b --quantization fp8 --sequential --max-num-seqs 256 \
+           --deployments ${Q70_DEPLOYMENTS:-steer-layer default} \
            --workloads 32x512+256 128x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q70.log" 2>&1 ;;
     q8) step q8 python3 -m bench.bench_quantized --config llama8b --quantization fp8 --deployments default steer-layer \
           --workloads 512x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q8.log" 2>&1 ;;
