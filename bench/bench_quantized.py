@@ -86,7 +86,7 @@ async def rounds_of(submits: dict[str, Any], runners: dict[str, Any], times: dic
     return measured
 
 
-async def side_by_side(args: argparse.Namespace, model: str, settings: dict[str, Any]) -> dict[str, Any]:
+async def side_by_side(args: argparse.Namespace, model: str, settings: dict[str, Any], save: Any) -> dict[str, Any]:
     shape = model_shape(args.config)
     plain = await start_plain(model, settings)
     engines = {name: await start_capserve(model, settings, fields)
@@ -112,8 +112,9 @@ async def side_by_side(args: argparse.Namespace, model: str, settings: dict[str,
     return results
 
 
-async def sequential(args: argparse.Namespace, model: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """One engine on the GPU at a time: plain's rounds of every workload, then each deployment's."""
+async def sequential(args: argparse.Namespace, model: str, settings: dict[str, Any], save: Any) -> dict[str, Any]:
+    """One engine on the GPU at a time: plain's rounds of every workload, then each deployment's;
+    `save` writes what was measured after each engine (a session cut short keeps the engines done)."""
     shape = model_shape(args.config)
     measured: dict[str, dict[str, list[float]]] = {name: {} for name in args.workloads}
     plain = await start_plain(model, settings)
@@ -144,6 +145,7 @@ async def sequential(args: argparse.Namespace, model: str, settings: dict[str, A
             await engine.shutdown()
             gc.collect()
             await asyncio.sleep(5)
+        save({name: summarize(runs) for name, runs in measured.items()})
     return {name: summarize(runs) for name, runs in measured.items()}
 
 
@@ -171,14 +173,18 @@ def main() -> None:
     if args.max_num_seqs:
         settings["max_num_seqs"] = args.max_num_seqs
     model = dummy_model_folder(args.config)
+    name = f"quantized_{args.quantization}_{args.config}{'_sequential' if args.sequential else ''}{args.tag}"
+
+    def save(results: dict[str, Any]) -> None:
+        path = write_result(name, {"args": vars(args), "settings": settings, "results": results}, args.out)
+        print(f"wrote {path}", flush=True)
+
     run = sequential if args.sequential else side_by_side
-    results = asyncio.run(run(args, model, settings))
+    results = asyncio.run(run(args, model, settings, save))
     for workload, per_case in results.items():
         for case, summary in per_case.items():
             print(f"{workload} {case}: first {summary['first_ratio']:.3f}, warm median {summary['warm_ratio']:.3f}")
-    name = f"quantized_{args.quantization}_{args.config}{'_sequential' if args.sequential else ''}{args.tag}"
-    path = write_result(name, {"args": vars(args), "settings": settings, "results": results}, args.out)
-    print(f"wrote {path}")
+    save(results)
 
 
 if __name__ == "__main__":
