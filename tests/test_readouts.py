@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.api import GenerateRequest, GenerateResult, ReadoutResult
+from replicas.api import GenerateRequest, GenerateResult, ProbeInfo, ReadoutResult
 from replicas.api.errors import InvalidRequestError
 from replicas.api.hooks import resolve_hook
 from replicas.engine.config import EngineConfig
@@ -288,6 +288,12 @@ def site(hook: str) -> tuple:
 LENS_HOOKS = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "blocks.2.hook_attn_out", "blocks.1.hook_mlp_out",
               "blocks.3.hook_resid_post", "ln_final.hook_normalized", "3:resid_pre"]
 TUNED = [("blocks.2.hook_resid_pre", 2), ("blocks.0.hook_resid_post", 1), ("blocks.0.hook_in", 0)]
+
+
+def test_model_info_lists_the_probes_and_the_tuned_lens(loop, engines) -> None:
+    info, gemma = loop.run(engines.fp32.info()), loop.run(engines.gemma2.info())
+    assert info.probes == {"sentiment": ProbeInfo(hook=PROBE_HOOK, n_out=3), "final": ProbeInfo(hook="ln_final.hook_normalized", n_out=5)}
+    assert info.tuned_lens and gemma.tuned_lens and gemma.probes == {} and info.saes == {}
 
 
 def test_lenses_and_probes_equal_hf_in_a_mixed_batch(loop, engines, files: SimpleNamespace) -> None:

@@ -243,6 +243,14 @@ def plain(prompt: str) -> dict:
     return {"prompt": prompt, "max_tokens": 5, "temperature": 0}
 
 
+def test_model_info_lists_the_loaded_saes(loop, sae_engine) -> None:
+    """A client finds the SAEs it may name, with what each reads and how wide it is."""
+    saes = loop.run(sae_engine.info()).saes
+    assert sorted(saes) == sorted([*KINDS, "relu_bf16"])
+    assert {sae.hook for sae in saes.values()} == {HOOK} and {sae.d_sae for sae in saes.values()} == {D_SAE}
+    assert saes["topk"].architecture == "topk" and saes["topk"].k is not None and saes["relu"].k is None
+
+
 def test_features_equal_saelens_in_a_mixed_batch(loop, sae_engine, sae_dirs: dict[str, str], tmp_path: Path) -> None:
     asking = {
         **plain(PROMPT),

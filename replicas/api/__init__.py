@@ -1,12 +1,12 @@
 """The request contract, torch- and vLLM-free: what the router, the provider, the replica and the
-worker all read. The schemas (`replicas.api.schemas`) are re-exported here; hook names, errors and
+worker all read. The schemas (`replicas.api.schemas`, `replicas.api.model_info`) are re-exported here; hook names, errors and
 the array wire format have their own modules in this package."""
 
 from replicas.api.fields import FloatArray, PositionMode, Positions, ResultArray
 from replicas.api.hooks import HookPoint, resolve_hook
+from replicas.api.model_info import AttentionInfo, ModelInfo, MoeInfo, ProbeInfo, SaeInfo
 from replicas.api.readouts import LensSpec, ProbeSpec, ReadoutResult, ReadoutSpec
 from replicas.api.schemas import (
-    AttentionInfo,
     CaptureSpec,
     ChatMessage,
     Choice,
@@ -14,8 +14,6 @@ from replicas.api.schemas import (
     GenerateResult,
     Intervention,
     LogitsSpec,
-    ModelInfo,
-    MoeInfo,
     NamedToolChoice,
     NamedToolChoiceFunction,
     SaeFeatures,
@@ -30,6 +28,6 @@ __all__ = [
     "HookPoint", "resolve_hook",
     "AttentionInfo", "CaptureSpec", "ChatMessage", "Choice", "FloatArray", "GenerateRequest", "GenerateResult",
     "Intervention", "LogitsSpec", "ModelInfo", "MoeInfo", "NamedToolChoice", "NamedToolChoiceFunction", "PositionMode",
-    "Positions", "ResultArray", "SaeFeatures", "SaeSpec", "LensSpec", "ProbeSpec", "ReadoutResult", "ReadoutSpec",
+    "Positions", "ProbeInfo", "ResultArray", "SaeFeatures", "SaeInfo", "SaeSpec", "LensSpec", "ProbeSpec", "ReadoutResult", "ReadoutSpec",
     "Tool", "ToolCall", "ToolCallFunction", "ToolFunction",
 ]

@@ -66,7 +66,6 @@ class CaptureEngine:
     ):
         self.llm = llm
         self.config = config
-        self._info = info
         self.shape = shape
         self.moe = moe
         self.name = name
@@ -75,6 +74,9 @@ class CaptureEngine:
         self._edit_slots = EditSlots(config.edit_slots)
         self.saes = SaeCatalog.read(config.saes)  # replicas.sae.specs: checked by for_checkpoint
         self.readouts = ReadoutCatalog.read(config.tuned_lens, config.probes)  # likewise (replicas.readouts.specs)
+        self._info = info.model_copy(update={
+            "saes": self.saes.listing(), "probes": self.readouts.listing(), "tuned_lens": self.readouts.tuned_lens is not None,
+        })
         self._taker = BatchedTake(llm, config.take_timeout_s)
         self._arena = ArenaReader()
         # Results view the arena in place (read-only arrays, as Ray hands out), their blocks held

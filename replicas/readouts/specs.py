@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.api import GenerateRequest, HookPoint, ReadoutResult, arrays, resolve_hook
+from replicas.api import GenerateRequest, HookPoint, ProbeInfo, ReadoutResult, arrays, resolve_hook
 from replicas.api.hooks import served_point
 from replicas.api.errors import PlanError
 from replicas.api.readouts import check_lens_hook
@@ -171,6 +171,10 @@ class ReadoutCatalog:
     def read(cls, tuned_lens: str | None, probes: dict[str, ProbeConfig]) -> ReadoutCatalog:
         lens = read_tuned_lens(tuned_lens) if tuned_lens is not None else None
         return cls(lens, {name: read_probe(name, config) for name, config in probes.items()})
+
+    def listing(self) -> dict[str, ProbeInfo]:
+        """What ModelInfo tells clients about the probes."""
+        return {name: ProbeInfo(hook=p.hook, n_out=p.n_out) for name, p in self.probes.items()}
 
     def wire(
         self, request: GenerateRequest, prompt_len: int, n_layers: int, d_vocab: int, parts: Parts,

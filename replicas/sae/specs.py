@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.api import arrays
-from replicas.api import GenerateRequest, SaeFeatures
+from replicas.api import GenerateRequest, SaeFeatures, SaeInfo
 from replicas.api.hooks import HookPoint, resolve_hook, served_point
 from replicas.plans.request import PlanError, SaePlan
 from replicas.plans.positions import captured_positions, check_positions, count_positions
@@ -175,6 +175,10 @@ class SaeCatalog:
     @classmethod
     def read(cls, saes: dict[str, SaeConfig]) -> SaeCatalog:
         return cls({sae_id: read_facts(sae_id, config) for sae_id, config in saes.items()})
+
+    def listing(self) -> dict[str, SaeInfo]:
+        """What ModelInfo tells clients about the SAEs."""
+        return {sae_id: SaeInfo(hook=f.hook, d_sae=f.d_sae, architecture=f.architecture, k=f.k) for sae_id, f in self.facts.items()}
 
     def get(self, field_name: str, sae_id: str) -> SaeFacts:
         facts = self.facts.get(sae_id)
