@@ -44,6 +44,17 @@ def test_returned_bytes_follow_hooks_positions_dtype_and_logits():
     assert returned_bytes(req(logits={"positions": "last_prompt"}), 10, 128, 500) == 500 * 4
 
 
+def test_returned_bytes_count_lenses_probes_and_sae_features():
+    lens = {"kind": "logit_lens", "hook": "blocks.1.hook_resid_post", "top_k": 20, "positions": "last_prompt"}
+    assert returned_bytes(req(readouts=lens), 10, 128, 500) == 20 * 8  # int32 id + float32 logprob per token
+    probes = [{"kind": "probe", "probe": "wide", "positions": "prompt"}, {"kind": "probe", "probe": "unknown", "positions": "prompt"}]
+    assert returned_bytes(req(readouts=probes), 10, 128, 500, probe_widths={"wide": 3}) == 10 * 3 * 4 + 10 * 1 * 4
+    sae = {"sae_id": "s", "top_k": 32, "positions": "all"}
+    assert returned_bytes(req(sae=sae), 10, 128, 500) == 13 * 32 * 8
+    assert returned_bytes(req(sae={**sae, "error": "norm"}), 10, 128, 500) == 13 * (32 * 8 + 4)
+    assert returned_bytes(req(sae={**sae, "error": "vector"}), 10, 128, 500) == 13 * (32 * 8 + 128 * 4)
+
+
 def test_cost_adds_prompt_generation_and_payload():
     plain = request_cost(req(), 128, 500)
     assert plain == 10 + 4

@@ -5,13 +5,15 @@ cost = prompt_tokens * prompt_token_weight + max_tokens * n + returned_bytes / c
 The router balances replicas by the sum of this over their outstanding requests, so a 4,000-token
 capture does not count the same as a 5-token chat turn. The prompt length is estimated without a
 tokenizer (the router has none): token ids count exactly, text as one token per 4 UTF-8 bytes
-(plus BOS), chat as that plus a few template tokens per message. Returned bytes are activations
-and logits, the payload the replica copies out of the engine and through the object store.
+(plus BOS), chat as that plus a few template tokens per message. Returned bytes are activations,
+logits and read-outs, the payload the replica copies out of the engine and through the object store.
 """
 
 from __future__ import annotations
 
-from replicas.api import GenerateRequest
+from collections.abc import Mapping
+
+from replicas.api import GenerateRequest, Positions
 from replicas.plans.positions import count_positions
 
 BYTES_PER_TOKEN_ESTIMATE = 4  # BPE tokenizers average ~4 bytes of English per token
@@ -33,8 +35,14 @@ def estimate_prompt_tokens(request: GenerateRequest) -> int:
     )
 
 
-def returned_bytes(request: GenerateRequest, prompt_tokens: int, d_model: int, d_vocab: int) -> int:
-    """Activation and logit bytes the request will bring back (an estimate for text prompts)."""
+def returned_bytes(
+    request: GenerateRequest, prompt_tokens: int, d_model: int, d_vocab: int, probe_widths: Mapping[str, int] | None = None,
+) -> int:
+    """Activation, logit and read-out bytes the request will bring back (an estimate for text
+    prompts); `probe_widths`: each loaded probe's outputs (ModelInfo.probes)."""
+    def rows(positions: Positions) -> int:
+        return count_positions(positions, prompt_tokens, request.max_tokens)
+
     total = 0
     capture = request.capture
     if capture is not None:
@@ -42,7 +50,12 @@ def returned_bytes(request: GenerateRequest, prompt_tokens: int, d_model: int, d
         itemsize = 4 if capture.dtype == "float32" else 2
         total += len(capture.hooks) * rows * d_model * itemsize
     if request.logits is not None:
-        total += count_positions(request.logits.positions, prompt_tokens, request.max_tokens) * d_vocab * 4
+        total += rows(request.logits.positions) * d_vocab * 4
+    for readout in request.readouts:  # lens: ids and logprobs per token; probe: float32 outputs
+        width = readout.top_k * 8 if readout.kind != "probe" else (probe_widths or {}).get(readout.probe, 1) * 4
+        total += rows(readout.positions) * width
+    for sae in request.sae:  # feature ids and values, and the error's norm or vector
+        total += rows(sae.positions) * (sae.top_k * 8 + {"none": 0, "norm": 4}.get(sae.error, d_model * 4))
     return total
 
 
@@ -51,10 +64,11 @@ def request_cost(
     d_model: int,
     d_vocab: int,
     *,
+    probe_widths: Mapping[str, int] | None = None,
     prompt_token_weight: float = 1.0,
     capture_bytes_per_token: int = DEFAULT_CAPTURE_BYTES_PER_TOKEN,
 ) -> float:
     prompt = estimate_prompt_tokens(request)
     generated = request.max_tokens * request.n
-    payload = returned_bytes(request, prompt, d_model, d_vocab)
+    payload = returned_bytes(request, prompt, d_model, d_vocab, probe_widths)
     return prompt * prompt_token_weight + generated + payload / capture_bytes_per_token
