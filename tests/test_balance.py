@@ -53,6 +53,9 @@ def test_returned_bytes_count_lenses_probes_and_sae_features():
     assert returned_bytes(req(sae=sae), 10, 128, 500) == 13 * 32 * 8
     assert returned_bytes(req(sae={**sae, "error": "norm"}), 10, 128, 500) == 13 * (32 * 8 + 4)
     assert returned_bytes(req(sae={**sae, "error": "vector"}), 10, 128, 500) == 13 * (32 * 8 + 128 * 4)
+    everything = req(capture={"hooks": ["blocks.0.hook_resid_post"], "positions": "prompt"}, logits={"positions": "last_prompt"},
+                     readouts=lens, sae=sae)
+    assert returned_bytes(everything, 10, 128, 500) == 10 * 128 * 4 + 500 * 4 + 20 * 8 + 13 * 32 * 8
 
 
 def test_cost_adds_prompt_generation_and_payload():

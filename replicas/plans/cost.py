@@ -46,9 +46,8 @@ def returned_bytes(
     total = 0
     capture = request.capture
     if capture is not None:
-        rows = 1 if capture.reduce == "mean" else count_positions(capture.positions, prompt_tokens, request.max_tokens)
         itemsize = 4 if capture.dtype == "float32" else 2
-        total += len(capture.hooks) * rows * d_model * itemsize
+        total += len(capture.hooks) * (1 if capture.reduce == "mean" else rows(capture.positions)) * d_model * itemsize
     if request.logits is not None:
         total += rows(request.logits.positions) * d_vocab * 4
     for readout in request.readouts:  # lens: ids and logprobs per token; probe: float32 outputs
