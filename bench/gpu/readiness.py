@@ -11,8 +11,8 @@ Per run: seconds from the launch to /healthz's first 200 (liveness: the Router a
 after a SIGINT (what scripts/serve.sh sends for a SIGTERM too), the seconds to exit and what stayed
 behind: /dev/shm/capserve-* entries and processes holding GPU memory. The warm run, before its
 SIGINT, also kills the EngineReplica's actor process (SIGKILL) and times its replacement: seconds
-to /readyz's 200 again and a reply, with the log's start marks (issue 46: <=45 s). A compiled model finds its
-entries in the folder only if the cache key does not change from one start to the next
+to /readyz's 200 again and a reply, with the log's start marks (issue 46: <=45 s). A compiled
+model finds its entries in the folder only if the cache key does not change from one start to the next
 (replicas/engine/config.py), so warm - cold is the compile and graph capture that a replacement
 replica skips too. Results go to DIR/readiness_<card>.json, written after every run.
 """

@@ -50,9 +50,11 @@ def returned_bytes(
         total += len(capture.hooks) * (1 if capture.reduce == "mean" else rows(capture.positions)) * d_model * itemsize
     if request.logits is not None:
         total += rows(request.logits.positions) * d_vocab * 4
-    for readout in request.readouts:  # lens: ids and logprobs per token; probe: float32 outputs
-        width = readout.top_k * 8 if readout.kind != "probe" else (probe_widths or {}).get(readout.probe, 1) * 4
-        total += rows(readout.positions) * width
+    for readout in request.readouts:
+        if readout.kind == "probe":  # float32 outputs
+            total += rows(readout.positions) * (probe_widths or {}).get(readout.probe, 1) * 4
+        else:  # a lens: an int32 id and a float32 logprob per token
+            total += rows(readout.positions) * readout.top_k * 8
     for sae in request.sae:  # feature ids and values, and the error's norm or vector
         total += rows(sae.positions) * (sae.top_k * 8 + {"none": 0, "norm": 4}.get(sae.error, d_model * 4))
     return total
