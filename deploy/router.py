@@ -483,7 +483,7 @@ class Router(VectorMethods):
             request,
             info.d_model,
             info.d_vocab,
-            probe_widths={name: probe.n_out for name, probe in info.probes.items()},
+            probe_widths=info.probe_widths,
             prompt_token_weight=routing.prompt_token_weight,
             capture_bytes_per_token=routing.capture_bytes_per_token,
         )

@@ -281,7 +281,7 @@ class EngineReplica:
                 request = fill_max_tokens(self._engine, request, self._info.max_model_len)
             # charged with the max_tokens it runs with (a filled one: what its prompt leaves room for)
             self._in_flight[id(key)] = request_cost(request, self._info.d_model, self._info.d_vocab,
-                                                    probe_widths={name: p.n_out for name, p in self._info.probes.items()})
+                                                    probe_widths=self._info.probe_widths)
             yield request, run
             outcome = "ok"
         except (InvalidRequestError, CaptureFailedError):

@@ -1,6 +1,6 @@
 """The request contract, torch- and vLLM-free: what the router, the provider, the replica and the
-worker all read. The schemas (`replicas.api.schemas`, `replicas.api.model_info`) are re-exported here; hook names, errors and
-the array wire format have their own modules in this package."""
+worker all read. The schemas (`replicas.api.schemas`, `replicas.api.model_info`) are re-exported
+here; hook names, errors and the array wire format have their own modules in this package."""
 
 from replicas.api.fields import FloatArray, PositionMode, Positions, ResultArray
 from replicas.api.hooks import HookPoint, resolve_hook

@@ -1,4 +1,4 @@
-"""What a replica serves (`Router.info()`, `GET /v1/model`): the model's shape, its hooks, and the
+"""What a replica serves (`Router.info()`, `GET /v1/info`): the model's shape, its hooks, and the
 SAEs, probes and tuned lens loaded at start, which requests name."""
 
 from __future__ import annotations
@@ -66,3 +66,8 @@ class ModelInfo(BaseModel):
     saes: dict[str, SaeInfo] = Field(default_factory=dict, description="SAEs loaded at start, by id.")
     probes: dict[str, ProbeInfo] = Field(default_factory=dict, description="Linear probes loaded at start, by name.")
     tuned_lens: bool = Field(False, description="Whether read-outs of kind tuned_lens are served (a tuned lens was loaded).")
+
+    @property
+    def probe_widths(self) -> dict[str, int]:
+        """Each probe's outputs per position, by name (the cost model's read-out bytes)."""
+        return {name: probe.n_out for name, probe in self.probes.items()}
