@@ -33,8 +33,8 @@ def _on_gpu() -> bool:
 # request batched with others to be bit-identical to the same request alone.
 ON_GPU = _on_gpu()
 if ON_GPU:
-    # vLLM's Triton kernels (a mixture of experts' fused experts, float32 attention) take float32 dot
-    # inputs as TF32, dropping 13 mantissa bits. A router whose second and third logits are within
+    # vLLM's Triton kernels (a mixture of experts' fused experts among them) take float32 dot inputs
+    # as TF32, dropping 13 mantissa bits. A router whose second and third logits are within
     # that error then sends a token to another expert than HF does, and the row differs whole: the
     # H200 run of 2026-12-07 missed HF by 9.4e-2 on Mixtral's per-head edits, which HF itself gives
     # with its experts' inputs truncated the same way (bench/moe_tf32.py). IEEE dots keep the
