@@ -12,8 +12,9 @@ saelens=$!
 bash scripts/install.sh
 wait "$saelens" || { cat .venv-saelens.log >&2; echo "test.sh: install_saelens.sh failed" >&2; exit 1; }
 echo "test.sh: installs took $(( $(date +%s) - started )) s" >&2
-# The soak tests (load and fault runs, minutes each: `-m soak`) run only when asked; CI runs them as
-# a step of their own (.ci/run). Any -m given here replaces this default.
+# The soak tests (load and fault runs, a minute or more each) run only when asked: `-m soak` runs
+# them alone, `-m ""` everything (CI, .ci/run). pytest keeps the last -m, so one given here replaces
+# this default.
 # The rest runs on two pytest-xdist workers (CAPSERVE_TEST_WORKERS; 0 runs one process), whole
 # modules each, slowest first (tests/conftest.py: SLOW_MODULES). Engine and Serve starts are CPU-bound
 # on two cores, so this gains ~20 % (main step 24:45 -> 19:25, 2026-12-06), not 2x; three were slower.
@@ -26,5 +27,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CP
 # threads. One spawn fewer per engine: a tiny engine starts in 15 s instead of 23 with half the CPU
 # (test_engine_capture.py 86 s -> 54 s, 2026-12-06), and the suite starts some fifty engines.
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
-for arg in "$@"; do [ "$arg" = "-m" ] && exec .venv/bin/python -m pytest "$@"; done
 exec .venv/bin/python -m pytest -n "${CAPSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "not soak" "$@"

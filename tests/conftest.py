@@ -204,9 +204,19 @@ SLOW_MODULES = {
 }
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own grouping of tests by fixture
+# A soak test (a load ramp or a fault under load) runs about a minute on that machine.
+SOAK_TEST_SECONDS = 60
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's grouping by fixture and the -m deselection
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: -SLOW_MODULES.get(item.module.__name__.rpartition(".")[2], 0))
+    seconds: dict[str, float] = {}
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        seconds.setdefault(module, SLOW_MODULES.get(module, 0))
+        if item.get_closest_marker("soak"):
+            seconds[module] += SOAK_TEST_SECONDS
+    items.sort(key=lambda item: -seconds[item.module.__name__.rpartition(".")[2]])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
