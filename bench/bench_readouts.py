@@ -6,7 +6,12 @@
 Plain vLLM and one capserve engine live on the GPU at once, each with an equal share of its
 memory, and take turns batch by batch for several rounds (bench_side_by_side's method); reported
 per case, the first round's and the later rounds' median tokens per second (prompt + generated)
-against plain's of the same rounds. The capserve engine has 8 random probes (2 outputs each, at 4
+against plain's of the same rounds. `--kv-cache-gib` gives both the same KV cache instead: at an
+equal memory share capserve's sites and read-out weights come out of its KV cache, and vLLM's default
+runner (V2, plain's) sizes its cache before counting CUDA graphs where the V1 runner (capserve's)
+counts them first, so a workload the cache cannot hold (512 x 640 tokens at 0.45 of an H100) measures
+the two caches' sizes as much as the read-outs. The JSON records both engines' KV tokens and what
+capserve holds on the GPU. The capserve engine has 8 random probes (2 outputs each, at 4
 layers) and a random TopK SAE of `--sae-features` features at the middle layer, on one of two
 deployments (`--deployment`):
   lean      what a read-out user deploys: resid_post armed at every layer, steerable at the middle
@@ -81,7 +86,14 @@ def cases(n_layers: int, d_model: int, probes: dict[str, dict[str, str]]) -> dic
     }
 
 
+def kv_tokens(llm: Any) -> int:
+    """Tokens an AsyncLLM's KV cache holds (its engine core reports the blocks at start)."""
+    cache = llm.vllm_config.cache_config
+    return cache.num_gpu_blocks * cache.block_size
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """{"memory": both engines' KV tokens and capserve's device bytes, "results": per workload, per case}"""
     shape = model_shape(args.config)
     n_layers, d_model = shape["n_layers"], shape["d_model"]
     middle_hook = f"blocks.{n_layers // 2}.hook_resid_post"
@@ -90,6 +102,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = engine_settings(args.config)
     if args.config != "tiny":
         settings["gpu_memory_utilization"] = args.memory_share
+    if args.kv_cache_gib:
+        settings["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     model = dummy_model_folder(args.config)
     plain = await start_plain(model, settings)
     fields = {"probes": probes, "saes": {"bench": {"path": sae, "hook": middle_hook}}}
@@ -99,6 +113,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     times = {id(plain): OutputTimes(plain), id(engine): OutputTimes(engine.llm)}
     results: dict[str, Any] = {}
     try:
+        memory = {"plain_kv_tokens": kv_tokens(plain), "capserve_kv_tokens": kv_tokens(engine.llm),
+                  "capserve_device_bytes": (await engine.stats())["device_bytes"]}
         for name in args.workloads:
             workload = WORKLOADS[name]
             plain_batch = plain_submit(plain, workload)
@@ -110,7 +126,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await engine.shutdown()
         plain.shutdown()
-    return results
+    return {"memory": memory, "results": results}
 
 
 def main() -> None:
@@ -121,14 +137,20 @@ def main() -> None:
     parser.add_argument("--sae-features", type=int, default=16384)
     parser.add_argument("--deployment", choices=["lean", "default"], default="lean")
     parser.add_argument("--memory-share", type=float, default=0.45, help="GPU memory fraction per engine (two engines)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="the same KV cache for both engines (default: "
+                        "what each has left of --memory-share)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = parser.parse_args()
-    results = asyncio.run(run(args))
-    for workload, per_case in results.items():
+    measured = asyncio.run(run(args))
+    memory = measured["memory"]
+    print(f"\nKV tokens: plain {memory['plain_kv_tokens']:,}, capserve {memory['capserve_kv_tokens']:,}; "
+          f"capserve's sites and read-outs on the GPU: {memory['capserve_device_bytes'] / 2**30:.2f} GiB")
+    for workload, per_case in measured["results"].items():
         print(f"\n{workload}: first round / median of later rounds, vs plain")
         for case, row in per_case.items():
             print(f"  {case:55s} {row['first_ratio']:.3f}  {row['warm_ratio']:.3f}")
-    path = write_result(f"readouts_{args.config}" + ("_default" if args.deployment == "default" else ""), {"args": vars(args), "results": results}, args.out)
+    name = f"readouts_{args.config}" + ("_default" if args.deployment == "default" else "") + ("_equal_kv" if args.kv_cache_gib else "")
+    path = write_result(name, {"args": vars(args), **measured}, args.out)
     print(f"\nwrote {path}")
 
 
