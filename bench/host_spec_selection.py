@@ -32,7 +32,8 @@ from replicas.plans.request import RequestPlan, SaePlan
 from replicas.readouts.store import ProbeStores
 from replicas.sae.device import packed_width
 from replicas.worker.blocks import SiteOptions, _build_sites
-from replicas.worker.collector import READOUT_SPECS, SAE_SPECS, Collector
+from replicas.worker.collector import Collector
+from replicas.worker.spec_handover import READOUT_SPECS, SAE_SPECS
 from replicas.worker.outbox import RequestBuffers, StepRows
 from replicas.worker.request_table import Batch, RequestTable
 

@@ -13,7 +13,8 @@ import torch
 
 from replicas.api import GenerateRequest
 from replicas.arena.host import ArenaReader, stored_in
-from replicas.worker.collector import Collector, Selection
+from replicas.worker.collector import Collector
+from replicas.worker.spec_select import Selection
 from replicas.worker.outbox import Outbox, RequestBuffers, StepRows
 from replicas.plans.request import RequestPlan, build_wire_plan
 

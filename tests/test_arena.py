@@ -14,7 +14,8 @@ import torch
 
 from replicas.arena.host import CHUNK_BLOCKS, ArenaLayout, ArenaReader, HostArena, stored_in
 from replicas.api.arrays import from_raw
-from replicas.worker.collector import Collector, Selection
+from replicas.worker.collector import Collector
+from replicas.worker.spec_select import Selection
 from replicas.worker.outbox import Outbox, RequestBuffers
 from tests.arena_host import D_MODEL, HOOKS, Host, request_plan, shm_bytes
 

@@ -16,7 +16,8 @@ from replicas.api import arrays
 from replicas.plans.readouts import ReadoutPlan
 from replicas.plans.request import RequestPlan, SaePlan
 from replicas.plans.positions import selected_offsets
-from replicas.worker.collector import READOUT_SPECS, SAE_SPECS, Collector
+from replicas.worker.collector import Collector
+from replicas.worker.spec_handover import READOUT_SPECS, SAE_SPECS
 from replicas.readouts.store import ProbeStore
 from replicas.worker.outbox import RequestBuffers, StepRows
 from replicas.worker.request_table import Batch, Entry, RequestTable

@@ -22,6 +22,9 @@ import torch
 from replicas.readouts.specs import read_probe, read_tuned_lens
 
 
+MAX_PROBE_SETS = 64
+
+
 @dataclass(frozen=True)
 class Unembed:
     """The model's head, from the worker (`replicas._vllm`): its final norm alone (no fused
@@ -48,6 +51,7 @@ class DeviceReadouts:
         self.translators = translators  # [n_layers, d_model, d_model] (out, in), the model's dtype
         self.translator_bias = translator_bias  # [n_layers, d_model]
         self.probes = probes or {}
+        self._stacks: dict[tuple[str, ...], DeviceProbe] = {}  # probe sets' weights side by side
 
     @classmethod
     def load(cls, options: dict[str, Any], unembed: Unembed, device: torch.device | str, dtype: torch.dtype) -> DeviceReadouts:
@@ -83,8 +87,18 @@ class DeviceReadouts:
 
     def probe(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """float32 [rows, n_out]: x @ W.T + b."""
-        probe = self.probes[name]
-        return torch.addmm(probe.bias, x.float(), probe.weight.T)
+        return self.probe_set((name,), x)
+
+    def probe_set(self, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
+        """float32 [rows, sum of their n_out]: the named probes' outputs side by side, by one
+        product with their weights stacked (kept for the next step's same set)."""
+        stacked = self._stacks.get(names)
+        if stacked is None:
+            if len(self._stacks) >= MAX_PROBE_SETS:  # sets come from the requests' mixes: bounded
+                self._stacks.clear()
+            chosen = [self.probes[name] for name in names]
+            stacked = self._stacks[names] = DeviceProbe(torch.cat([p.weight for p in chosen]), torch.cat([p.bias for p in chosen]))
+        return torch.addmm(stacked.bias, x.float(), stacked.weight.T)
 
 
 def lens_row_bytes(d_model: int, vocab: int, itemsize: int) -> int:

@@ -17,7 +17,6 @@ it skips the selection (`replicas.worker.steady_decode`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,43 +28,20 @@ from replicas.worker.arena_writer import ArenaWriter, Destinations, table_slots
 from replicas.worker.outbox import Outbox, StepRows, fail_all
 from replicas.plans.request import CapturePlan
 from replicas.plans.positions import EXPLICIT, concatenated_ranges, selected_offsets, selected_spans
-from replicas.worker.request_table import NO_LOGITS, Batch, Columns, Entry, RequestTable
-from replicas.readouts.store import ProbeStore
-from replicas.readouts.device import DeviceReadouts, lens_row_bytes, probe_row_bytes
-from replicas.sae.device import DeviceSae, encode_packed, packed_width, row_bytes
+from replicas.worker.request_table import NO_LOGITS, Batch, Columns, RequestTable
+from replicas.readouts.device import DeviceReadouts
+from replicas.sae.device import DeviceSae
 from replicas.worker.sites import Site, stacked_rows, to_device
-from replicas.worker.spec_select import KeyIds, SpecCodes, SpecKind, pair_groups
+from replicas.worker.spec_handover import SpecHandOver
+from replicas.worker.spec_select import KeyIds, Selection
 from replicas.worker.steady_decode import SteadyDecode, decode_key
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_STEP_BYTES = 256 << 20  # EngineConfig.max_step_temp_bytes
 GroupSites = tuple[list[Site], str, str]  # (sites, dtype, reduce)
-SAE_SPECS = SpecKind("sae", lambda spec: spec.sae_id, lambda spec: spec.top_k)
-READOUT_SPECS = SpecKind("readouts", lambda spec: spec.group, lambda spec: spec.width, lambda spec: spec.region)
 
 
-@dataclass
-class Selection:
-    """Rows of a step picked for a set of requests: request i owns rows[offsets[i]:][:counts[i]]."""
-
-    requests: list[Entry]
-    rows: np.ndarray  # rows of the step's flattened batch
-    offsets: np.ndarray
-    counts: np.ndarray
-    dests: np.ndarray  # where request i's rows go in its buffer
-    # SAE and read-out rows: (the index of request i's spec in its plan, the block's k_max or width)
-    targets: tuple[list[int], int] | None = None
-    probe: tuple[ProbeStore, np.ndarray] | None = None  # a probe's rows: its store, request i's region there
-
-    def subset(self, keep: np.ndarray) -> Selection:
-        """The rows of the requests where keep is True."""
-        counts = self.counts[keep]
-        rows = self.rows[concatenated_ranges(self.offsets[keep], counts)]
-        requests = [entry for entry, kept in zip(self.requests, keep.tolist()) if kept]
-        return Selection(requests, rows, np.cumsum(counts) - counts, counts, self.dests[keep])
-
-
-class Collector:
+class Collector(SpecHandOver):
     """Capture groups, and each step's gather of the rows they asked for."""
 
     def __init__(
@@ -378,13 +354,18 @@ class Collector:
         self, kind: str, selection: Selection, shape: tuple[int, int, int], dtype: torch.dtype, row_bytes: int,
         compute: Callable[[int, int], torch.Tensor],
     ) -> None:
-        """Hand over compute(0, rows), computed `rows_per_chunk` rows at a time once that is fewer
-        than all: each chunk is copied into one host tensor before the next is computed, in
-        stream order on the GPU, so the allocator reuses one chunk's memory for the next."""
+        self._queue(kind, *self._to_host(shape, dtype, row_bytes, compute), selection)
+
+    def _to_host(
+        self, shape: tuple[int, int, int], dtype: torch.dtype, row_bytes: int, compute: Callable[[int, int], torch.Tensor],
+    ) -> tuple[torch.Tensor, Any]:
+        """compute(0, rows) on its way to host memory, and the event its copy ends at (None: there
+        already). Computed `rows_per_chunk` rows at a time once that is fewer than all: each chunk
+        is copied into one host tensor before the next is computed, in stream order on the GPU, so
+        the allocator reuses one chunk's memory for the next."""
         step = self.rows_per_chunk(row_bytes)
         if shape[1] <= step:
-            self._hand_over(kind, compute(0, shape[1]), selection)
-            return
+            return self._copy_to_host(compute(0, shape[1]))
         host = torch.empty(shape, dtype=dtype, pin_memory=self.copy_stream is not None)
         for lo in range(0, shape[1], step):
             host[:, lo : lo + step].copy_(compute(lo, min(lo + step, shape[1])), non_blocking=True)
@@ -392,108 +373,32 @@ class Collector:
         if self.copy_stream is not None:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        self._queue(kind, host, event, selection)
+        return host, event
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
 
     def _hand_over(self, kind: str, picked: torch.Tensor, selection: Selection) -> None:
+        self._queue(kind, *self._copy_to_host(picked), selection)
+
+    def _copy_to_host(self, picked: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Start the copy to host on a side stream (the next step does not wait for it) into
-        pinned memory, and queue it for the outbox thread."""
-        event = None
+        pinned memory; the outbox thread files it once the event is done."""
         if self.copy_stream is None:
-            host = picked
-        else:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
-                host.copy_(picked, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
-            picked.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
-        self._queue(kind, host, event, selection)
+            return picked, None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+            host.copy_(picked, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        picked.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
+        return host, event
 
     def _queue(self, kind: str, host: torch.Tensor, event: Any, selection: Selection) -> None:
         buffers = [entry.buffers for entry in selection.requests]
         self.outbox.put(StepRows(kind, host, event, buffers, selection.offsets, selection.counts, selection.dests, selection.targets,
                                  selection.probe))
-
-    def _spec_groups(self, requests: RequestTable, chunks: list[np.ndarray], kind: SpecKind) -> list[tuple[list[Any], Selection]]:
-        """The step's rows of SAE or read-out specs, in groups of specs that one device computation
-        serves (`replicas.worker.spec_select`): the group's specs (a probe's first alone: its store
-        counts and files every member's rows at once), and a Selection whose targets are each
-        member's spec index and the group's width. Counts the rows as taken."""
-        entries = [requests.entry_at[handle] for handle in chunks[0].tolist()]
-        codes = [self._spec_codes(entry, kind) for entry in entries]
-        groups, regions = [], None
-        for group in pair_groups(codes, chunks):
-            members, targets = group.request.tolist(), group.spec.tolist()
-            probe, specs = None, [codes[members[0]].specs[targets[0]]]
-            if getattr(specs[0], "kind", None) == "probe":
-                regions = np.concatenate([c.regions for c in codes]) if regions is None else regions
-                probe = (self.outbox.probes[specs[0].probe], regions[group.pair])
-                dests = probe[0].count(probe[1], group.counts)
-            else:
-                specs = [codes[k].specs[j] for k, j in zip(members, targets)]
-                dests = np.fromiter((spec.taken for spec in specs), np.int64, len(specs))
-                for spec, n in zip(specs, group.counts.tolist()):
-                    spec.taken += n
-            groups.append((specs, Selection([entries[k] for k in members], group.rows, group.offsets, group.counts, dests,
-                                            (targets, group.width), probe)))
-        return groups
-
-    def _spec_codes(self, entry: Entry, kind: SpecKind) -> SpecCodes:
-        codes = entry.spec_codes.get(kind.field)
-        if codes is None:
-            codes = entry.spec_codes[kind.field] = self.key_ids.codes(getattr(entry.plan, kind.field), kind)
-        return codes
-
-    def _hand_over_sae(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
-        """SAE features of the step's rows: per SAE, one gather, encode and top-k on the device
-        for every request that asked it, and one [1, rows, packed] int32 block to host."""
-        groups = self._spec_groups(requests, chunks, SAE_SPECS)
-        for specs, selection in groups:
-            sae = self.saes[specs[0].sae_id]
-            k_max = selection.targets[1]
-            errors = {spec.error for spec in specs}
-            error = "vector" if "vector" in errors else "norm" if "norm" in errors else "none"
-            staging = self.sites[sae.site].staging
-            d_model = staging.shape[1]
-            step_rows = self._to_device(selection.rows)
-            width = packed_width(k_max, error, d_model)
-
-            def packed(lo: int, hi: int, sae: DeviceSae = sae, rows: torch.Tensor = step_rows) -> torch.Tensor:
-                return encode_packed(sae, staging.index_select(0, rows[lo:hi]), k_max, error).unsqueeze(0)
-
-            self._hand_over_chunked("sae", selection, (1, len(selection.rows), width), torch.int32,
-                                    row_bytes(sae, d_model), packed)
-
-    def _hand_over_readouts(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
-        """Lenses and probes of the step's rows: per group (a lens at one site and translator, a
-        probe), one gather and computation on the device for every request that asked it, and one
-        [1, rows, width] block to host: a lens's int32 [ids | logprobs], a probe's float32 values."""
-        groups = self._spec_groups(requests, chunks, READOUT_SPECS)
-        for specs, selection in groups:
-            plan, width = specs[0], selection.targets[1]
-            staging = self.sites[plan.site].staging
-            rows = self._to_device(selection.rows)
-            if plan.kind == "probe":
-                shape, dtype = (1, len(rows), width), torch.float32
-                per_row = probe_row_bytes(staging.shape[1], width)
-
-                def computed(lo: int, hi: int) -> torch.Tensor:  # called within this iteration, as are the others
-                    return self.readouts.probe(plan.probe, staging.index_select(0, rows[lo:hi])).unsqueeze(0)
-            else:
-                shape, dtype = (1, len(rows), 2 * width), torch.int32
-                per_row = lens_row_bytes(staging.shape[1], self.vocab_size, staging.element_size())
-                normed = plan.site[1] == "ln_final"
-
-                def computed(lo: int, hi: int) -> torch.Tensor:
-                    return self.readouts.lens(staging.index_select(0, rows[lo:hi]), plan.translator, normed, width).unsqueeze(0)
-            try:
-                self._hand_over_chunked("readout", selection, shape, dtype, per_row, computed)
-            except RuntimeError as exc:  # e.g. out of device memory: these requests fail, the engine goes on
-                fail_all([entry.buffers for entry in selection.requests], f"read-out failed on the device: {exc}")
 
 
 def _row_shape(sites: list[Site], dtype: str) -> tuple[int, torch.dtype, int]:

@@ -7,18 +7,23 @@ the step on the GPU. A request's specs of one kind are read as arrays once (`Spe
 its entry): their position mode codes and their group keys, interned as ints. A step then computes
 every pair's span with numpy, takes explicit indices pair by pair (rare), and groups the pairs by
 key with one stable sort, so each group keeps its pairs in request order, then spec order, and the
-groups come in the order their first pair does.
+groups come in the order their first pair does. `Selection` is what a group, or a capture group,
+hands over: its rows of the step and whose they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from replicas.plans.positions import EXPLICIT, concatenated_ranges, mode_code, selected_offsets, selected_spans
+
+if TYPE_CHECKING:
+    from replicas.readouts.store import ProbeStore
+    from replicas.worker.request_table import Entry
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,27 @@ class KeyIds:
             specs, np.array([mode_code(spec.positions) for spec in specs], np.int64), np.array(keys, np.int64),
             np.array([kind.width(spec) for spec in specs], np.int64), np.array([kind.region(spec) for spec in specs], np.int64),
         )
+
+
+@dataclass
+class Selection:
+    """Rows of a step picked for a set of requests: request i owns rows[offsets[i]:][:counts[i]]."""
+
+    requests: list[Entry]
+    rows: np.ndarray  # rows of the step's flattened batch
+    offsets: np.ndarray
+    counts: np.ndarray
+    dests: np.ndarray  # where request i's rows go in its buffer
+    # SAE and read-out rows: (the index of request i's spec in its plan, the block's k_max or width)
+    targets: tuple[list[int], int] | None = None
+    probe: tuple[ProbeStore, np.ndarray] | None = None  # a probe's rows: its store, request i's region there
+
+    def subset(self, keep: np.ndarray) -> Selection:
+        """The rows of the requests where keep is True."""
+        counts = self.counts[keep]
+        rows = self.rows[concatenated_ranges(self.offsets[keep], counts)]
+        requests = [entry for entry, kept in zip(self.requests, keep.tolist()) if kept]
+        return Selection(requests, rows, np.cumsum(counts) - counts, counts, self.dests[keep])
 
 
 @dataclass
