@@ -259,52 +259,6 @@ def test_a_steps_lenses_are_grouped_computed_in_bounded_chunks_and_a_failure_fai
     assert buffers[2].error == "read-out failed on the device: out of device memory (a stand-in)"
 
 
-def test_probes_at_one_site_over_the_same_rows_take_one_product_and_each_gets_its_own_columns() -> None:
-    """The collector alone: probes a and b, asked by the same two requests at one hook, take one
-    product with their weights side by side and one block to host, whose columns each probe's
-    rows get; probe c at that hook over another request's rows takes its own. Every value equals
-    rows @ W.T + b."""
-    from replicas.api.hooks import HookPoint
-    from replicas.readouts.device import DeviceProbe
-    from replicas.readouts.specs import ProbeFacts, ReadoutCatalog
-    from replicas.worker.collector import Collector
-    from replicas.worker.outbox import RequestBuffers
-    from replicas.worker.request_table import RequestTable
-    from tests.test_engine_memory import CPU, D, Outbox, sites_of, step_of, wire_plan
-
-    sites = sites_of(kinds=("resid_post",), edit_stages=0, max_tokens=80)
-    generator = torch.Generator().manual_seed(5)
-    for s in sites.values():
-        s.staging.copy_(torch.randn(s.staging.shape, generator=generator))
-    hook, widths = "blocks.1.hook_resid_post", {"a": 2, "b": 3, "c": 1}
-    weights = {name: DeviceProbe(torch.randn(n, D, generator=generator), torch.randn(n, generator=generator))
-               for name, n in widths.items()}
-    readouts = DeviceReadouts(Unembed(norm=lambda x: x, logits=lambda x: x), probes=weights)
-    products = []
-    probe_set = readouts.probe_set
-    readouts.probe_set = lambda names, x: (products.append((names, x.shape[0])), probe_set(names, x))[1]
-    collector = Collector(None, sites, 50, CPU, Outbox(), readouts=readouts)
-    catalog = ReadoutCatalog(None, {name: ProbeFacts(name, "", hook, HookPoint(1, "resid_post"), n, D, True)
-                                    for name, n in widths.items()})
-    asked = [["a", "b"], ["b", "a"], ["c"]]
-    plans = [wire_plan({"readouts": [{"kind": "probe", "probe": name} for name in names]}, n, readouts=catalog)
-             for names, n in zip(asked, (30, 20, 10))]
-    buffers = [RequestBuffers.for_plan(plan, D, 50, None, collector.outbox.probes) for plan in plans]
-    table = RequestTable()
-    for i, (plan, buffer) in enumerate(zip(plans, buffers)):
-        table.admit(f"r{i}", plan, buffer, -1)
-    collector.collect(step_of(table, [30, 20, 10]), table)
-    for step in collector.outbox.steps:
-        step.file()
-    assert products == [(("a", "b"), 50), (("c",), 10)]
-    staging = sites[(1, "resid_post")].staging
-    for buffer, names, (lo, hi) in zip(buffers, asked, ((0, 30), (30, 50), (50, 60))):
-        assert buffer.error is None
-        for rows, name in zip(buffer.readouts, names):
-            want = staging[lo:hi] @ weights[name].weight.T + weights[name].bias
-            np.testing.assert_allclose(rows.store.read(rows.plan.region), want.numpy(), atol=1e-5, err_msg=name)
-
-
 # ---------------------------------------------------------------- the engines
 
 

@@ -13,16 +13,21 @@ import numpy as np
 import torch
 
 from replicas.api import arrays
+from replicas.api.hooks import HookPoint
 from replicas.plans.readouts import ReadoutPlan
 from replicas.plans.request import RequestPlan, SaePlan
-from replicas.plans.positions import selected_offsets
+from replicas.plans.positions import NO_END, selected_offsets
+from replicas.readouts.device import DeviceProbe, DeviceReadouts, Unembed
+from replicas.readouts.specs import ProbeFacts, ReadoutCatalog
+from replicas._vllm import StepLayout
+from replicas.worker.steady_decode import decode_key
 from replicas.worker.collector import Collector
 from replicas.worker.spec_handover import READOUT_SPECS, SAE_SPECS
 from replicas.readouts.store import ProbeStore
 from replicas.worker.outbox import RequestBuffers, StepRows
 from replicas.worker.request_table import Batch, Entry, RequestTable
 from replicas.worker.spec_select import SpecKind
-from tests.test_engine_memory import CPU, Outbox, sites_of
+from tests.test_engine_memory import CPU, D, Outbox, sites_of, step_of, wire_plan
 
 
 def probe(name: str, positions: Any, width: int = 1) -> ReadoutPlan:
@@ -185,6 +190,78 @@ def test_a_steps_read_out_sites_are_the_union_of_its_requests_sets_held_while_th
     assert collector.captured_sites(batch, table) == {sites[(1, "resid_post")], sites[(0, "resid_pre")]}
     table.retire("r1", entries[1])
     assert not sets.ids and collector.captured_sites(batch, table) == set()
+
+
+def test_read_outs_that_can_select_no_later_row_stop_counting_and_their_decode_steps_go_steady() -> None:
+    """A request whose read-outs all end with its prompt (a lens at last_prompt, a probe at explicit
+    prompt positions) leaves the step loop's read-out selection once its last prompt row is
+    handed over, and its decode steps may then take the steady path; one whose probe reads every
+    position stays, and one with an explicit generated position stays until that row."""
+    sites = sites_of(kinds=("resid_pre", "resid_post"), edit_stages=0, max_tokens=32)
+    generator = torch.Generator().manual_seed(7)
+    for s in sites.values():
+        s.staging.copy_(torch.randn(s.staging.shape, generator=generator))
+    head = torch.randn(50, D, generator=generator)
+    probes = {name: DeviceProbe(torch.randn(n, D, generator=generator), torch.zeros(n)) for name, n in (("p1", 1), ("p2", 3))}
+    outbox = Outbox()
+    collector = Collector(None, sites, 50, CPU, outbox, readouts=DeviceReadouts(Unembed(lambda x: x, lambda x: x @ head.T), probes=probes))
+    table, entries = admitted([[lens(0, "last_prompt", 5), probe("p1", [1, -1])], [probe("p2", "all", 3)],
+                               [lens(2, "prompt", 4), probe("p1", [6])]], READOUT_SPECS, outbox)
+    rows = table.columns.rows(np.array([entry.handle for entry in entries]))
+    counting = []
+    for starts, counts in (([0, 0, 0], [10, 7, 5]), ([10, 7, 5], [1, 1, 1]), ([11, 8, 6], [1, 1, 1]), ([12, 9, 7], [1, 1, 1])):
+        step = StepLayout([f"r{i}" for i in range(3)], np.concatenate([[0], np.cumsum(counts)]), np.array(starts))
+        collector.collect(Batch(step, rows), table)
+        counting.append(table.columns["readouts"][rows].tolist())
+    assert counting == [[0, 1, 2], [0, 1, 2], [0, 1, 0], [0, 1, 0]]  # C's explicit row 6 came in the third step
+    for step in outbox.steps:
+        step.file()
+    c_p1 = entries[2].buffers.readouts[1]  # its one row: the third step's third (no forward ran: the staging stays)
+    np.testing.assert_allclose(c_p1.store.read(c_p1.plan.region)[:, 0],
+                               (sites[(1, "resid_post")].staging[[2]] @ probes["p1"].weight.T)[:, 0].numpy(), atol=1e-6)
+    a_decodes = Batch(StepLayout(["r0"], np.array([0, 1]), np.array([13])), rows[:1])
+    assert decode_key(a_decodes, table.columns, arena=False) is not None
+    assert decode_key(Batch(a_decodes.step, rows[1:2]), table.columns, arena=False) is None  # B's probe reads on
+    sae_table, sae_entries = admitted(saes(), SAE_SPECS, Outbox())  # SAE specs end the same way
+    assert sae_table.columns["sae_end"][[e.handle for e in sae_entries]].tolist() == [NO_END, NO_END, PROMPTS[2]]
+
+
+def test_probes_at_one_site_over_the_same_rows_take_one_product_and_each_gets_its_own_columns() -> None:
+    """The collector alone: probes a and b, asked by the same two requests at one hook, take one
+    product with their weights side by side and one block to host, whose columns each probe's
+    rows get; probe c at that hook over another request's rows takes its own. Every value equals
+    rows @ W.T + b."""
+    sites = sites_of(kinds=("resid_post",), edit_stages=0, max_tokens=80)
+    generator = torch.Generator().manual_seed(5)
+    for s in sites.values():
+        s.staging.copy_(torch.randn(s.staging.shape, generator=generator))
+    hook, widths = "blocks.1.hook_resid_post", {"a": 2, "b": 3, "c": 1}
+    weights = {name: DeviceProbe(torch.randn(n, D, generator=generator), torch.randn(n, generator=generator))
+               for name, n in widths.items()}
+    readouts = DeviceReadouts(Unembed(norm=lambda x: x, logits=lambda x: x), probes=weights)
+    products = []
+    probe_set = readouts.probe_set
+    readouts.probe_set = lambda names, x: (products.append((names, x.shape[0])), probe_set(names, x))[1]
+    collector = Collector(None, sites, 50, CPU, Outbox(), readouts=readouts)
+    catalog = ReadoutCatalog(None, {name: ProbeFacts(name, "", hook, HookPoint(1, "resid_post"), n, D, True)
+                                    for name, n in widths.items()})
+    asked = [["a", "b"], ["b", "a"], ["c"]]
+    plans = [wire_plan({"readouts": [{"kind": "probe", "probe": name} for name in names]}, n, readouts=catalog)
+             for names, n in zip(asked, (30, 20, 10))]
+    buffers = [RequestBuffers.for_plan(plan, D, 50, None, collector.outbox.probes) for plan in plans]
+    table = RequestTable()
+    for i, (plan, buffer) in enumerate(zip(plans, buffers)):
+        table.admit(f"r{i}", plan, buffer, -1)
+    collector.collect(step_of(table, [30, 20, 10]), table)
+    for step in collector.outbox.steps:
+        step.file()
+    assert products == [(("a", "b"), 50), (("c",), 10)]
+    staging = sites[(1, "resid_post")].staging
+    for buffer, names, (lo, hi) in zip(buffers, asked, ((0, 30), (30, 50), (50, 60))):
+        assert buffer.error is None
+        for rows, name in zip(buffer.readouts, names):
+            want = staging[lo:hi] @ weights[name].weight.T + weights[name].bias
+            np.testing.assert_allclose(rows.store.read(rows.plan.region), want.numpy(), atol=1e-5, err_msg=name)
 
 
 # ---------------------------------------------------------------- a probe's rows in one store

@@ -59,6 +59,20 @@ def selected_offsets(spec: Positions, start: int, count: int, prompt_len: int) -
     return wanted[(wanted >= start) & (wanted < start + count)] - start
 
 
+NO_END = np.iinfo(np.int64).max  # a spec that may select rows as long as the request runs
+
+
+def selection_end(specs: list[Positions], prompt_len: int) -> int:
+    """The position past the last row any of these specs can select: the prompt's end for
+    "prompt" and "last_prompt", past the last explicit index, NO_END for "all" and "generated"."""
+    end = 0
+    for spec in specs:
+        if spec in ("all", "generated"):
+            return int(NO_END)
+        end = max(end, prompt_len if isinstance(spec, str) else int(absolute_indices(spec, prompt_len).max(initial=-1)) + 1)
+    return end
+
+
 def absolute_indices(indices: list[int], prompt_len: int) -> np.ndarray:
     """Explicit indices; negative ones count back from the end of the prompt."""
     return np.array([i + prompt_len if i < 0 else i for i in indices], dtype=np.int64)

@@ -17,7 +17,7 @@ import numpy as np
 from replicas import _vllm
 from replicas.worker.outbox import RequestBuffers
 from replicas.plans.request import RequestPlan, WirePlan
-from replicas.plans.positions import mode_code
+from replicas.plans.positions import mode_code, selection_end
 from replicas.worker.spec_select import SpecCodes
 
 _CLOSED_KEYS_KEPT = 10_000
@@ -150,7 +150,8 @@ class RequestTable:
         for name, neutral in (
             ("prompt_len", 0), ("seen", 0), ("group", -1), ("positions", 0), ("logits", NO_LOGITS), ("fallback", 0),
             ("rows_taken", 0), ("logits_taken", 0),  # rows handed over so far, where the next ones go
-            ("sae", 0), ("readouts", 0),  # SAE specs and read-outs it asks
+            ("sae", 0), ("readouts", 0),  # SAE specs and read-outs it asks, until none can select a later row
+            ("sae_end", 0), ("readouts_end", 0),  # the position past the last row they can select
             ("readout_sites", -1),  # the set of sites its read-outs read (`site_sets`)
         ):
             self.columns.add(name, neutral)
@@ -210,6 +211,8 @@ class RequestTable:
             columns["logits"][handle] = mode_code(plan.logits_positions)
         columns["sae"][handle] = len(plan.sae)  # SAE specs it asks (replicas.sae.specs)
         columns["readouts"][handle] = len(plan.readouts)  # lenses and probes (replicas.readouts.specs)
+        columns["sae_end"][handle] = selection_end([spec.positions for spec in plan.sae], plan.prompt_len)
+        columns["readouts_end"][handle] = selection_end([spec.positions for spec in plan.readouts], plan.prompt_len)
         if plan.readouts:
             columns["readout_sites"][handle] = self.site_sets.hold(frozenset(readout.site for readout in plan.readouts))
         return entry
