@@ -182,7 +182,7 @@ def test_device_math_and_packing_round_trip(files: SimpleNamespace) -> None:
     result = rows.result(prompt_len=3)
     assert result["positions"] == [0, 1, 2, 3] and result["values"] is None
     w, b = files.sentiment
-    np.testing.assert_allclose(device.probe("p", x).numpy(), x.numpy() @ w.T + b, atol=1e-5)
+    np.testing.assert_allclose(device.probe_set(("p",), x).numpy(), x.numpy() @ w.T + b, atol=1e-5)
 
 
 def test_results_travel_as_json_in_every_format() -> None:

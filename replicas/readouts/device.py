@@ -7,7 +7,8 @@ Lens, with the model's own head (what tuned-lens's `TunedLens.forward` computes 
                                             model's final logit softcapping applied; float32
     the top_k of log_softmax(logits) over the whole vocabulary, most likely first
 Rows of ln_final.hook_normalized are normed already: their logits are the model's own.
-Probe: h @ W.T + b in float32 (weights kept in float32 whatever the file's dtype).
+Probe: h @ W.T + b in float32 (weights kept in float32 whatever the file's dtype); probes read over the
+same rows go by one product, their weights stacked.
 Nothing here reads a value back to the host: the step loop only starts these kernels.
 """
 
@@ -84,10 +85,6 @@ class DeviceReadouts:
         logprobs = torch.log_softmax(self.unembed.logits(x), dim=-1)
         values, ids = torch.topk(logprobs, k=k, dim=-1, sorted=True)
         return torch.cat([ids.to(torch.int32), values.view(torch.int32)], dim=-1)
-
-    def probe(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """float32 [rows, n_out]: x @ W.T + b."""
-        return self.probe_set((name,), x)
 
     def probe_set(self, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
         """float32 [rows, sum of their n_out]: the named probes' outputs side by side, by one
