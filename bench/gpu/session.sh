@@ -50,7 +50,7 @@
 #            vLLM, Llama-3.1-8B shape, both workloads, the lean deployment (R_DEPLOYMENT=default: the defaults); R_ROUNDS (3);
 #            R_KV_GIB=16: both engines the same KV cache, not the same memory share (~8)
 #   faults2  bench/gpu/faults.py with two replicas of the 8B shape on one GPU (replicas_per_gpu 2): replica kill,
-#            engine kill, hang (~12)
+#            engine kill, hang, redeploy (~15; FAULTS_ARGS="--faults redeploy": the last alone, ~5)
 #   readiness bench/gpu/readiness.py: serve run cold, then warm from the same compile cache, tiny and the 8B
 #            shape: seconds to /healthz, /readyz, a first reply; what a SIGINT leaves behind; the warm run times a
 #            replacement of its killed replica (~8; READINESS_ARGS="--models tiny": ~5)
@@ -117,7 +117,7 @@ for part in "$@"; do
           --workloads 512x512+128 --rounds ${Q_ROUNDS:-3} --out "$R" > "$R/q8.log" 2>&1 ;;
     readouts) step readouts python3 -m bench.bench_readouts --config llama8b --rounds ${R_ROUNDS:-3} --deployment ${R_DEPLOYMENT:-lean} \
                 ${R_KV_GIB:+--kv-cache-gib $R_KV_GIB} --out "$R" > "$R/readouts.log" 2>&1 ;;
-    faults2) step faults2 python3 -m bench.gpu.faults --config llama8b --replicas-per-gpu 2 --out "$R" > "$R/faults2.log" 2>&1 ;;
+    faults2) step faults2 python3 -m bench.gpu.faults --config llama8b --replicas-per-gpu 2 ${FAULTS_ARGS:-} --out "$R" > "$R/faults2.log" 2>&1 ;;
     readiness) step readiness python3 -m bench.gpu.readiness ${READINESS_ARGS:-} --out "$R" > "$R/readiness.log" 2>&1 ;;
     scaling2) step scaling2 python3 -m bench.bench_scaling --config llama8b --replicas 1 2 --replicas-per-gpu 2 --cases generate \
                 --loads 1 --out "$R" > "$R/scaling2.log" 2>&1 ;;
