@@ -11,6 +11,7 @@ them at every position ran at 0.94 of the unused engine on an H100 (bench_readou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +45,9 @@ class SpecHandOver:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         raise NotImplementedError
 
-    def _to_host(self, shape: tuple[int, int, int], dtype: torch.dtype, row_bytes: int, compute: Any) -> tuple[torch.Tensor, Any]:
+    def _to_host(
+        self, shape: tuple[int, int, int], dtype: torch.dtype, row_bytes: int, compute: Callable[[int, int], torch.Tensor],
+    ) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
     def _queue(self, kind: str, host: torch.Tensor, event: Any, selection: Selection) -> None:
