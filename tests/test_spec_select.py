@@ -192,15 +192,20 @@ def test_a_steps_read_out_sites_are_the_union_of_its_requests_sets_held_while_th
     assert not sets.ids and collector.captured_sites(batch, table) == set()
 
 
+def random_staging(sites: dict, seed: int) -> tuple[dict, torch.Generator]:
+    """The sites with random rows staged, and the generator to draw more from."""
+    generator = torch.Generator().manual_seed(seed)
+    for site in sites.values():
+        site.staging.copy_(torch.randn(site.staging.shape, generator=generator))
+    return sites, generator
+
+
 def test_read_outs_that_can_select_no_later_row_stop_counting_and_their_decode_steps_go_steady() -> None:
     """A request whose read-outs all end with its prompt (a lens at last_prompt, a probe at explicit
     prompt positions) leaves the step loop's read-out selection once its last prompt row is
     handed over, and its decode steps may then take the steady path; one whose probe reads every
     position stays, and one with an explicit generated position stays until that row."""
-    sites = sites_of(kinds=("resid_pre", "resid_post"), edit_stages=0, max_tokens=32)
-    generator = torch.Generator().manual_seed(7)
-    for s in sites.values():
-        s.staging.copy_(torch.randn(s.staging.shape, generator=generator))
+    sites, generator = random_staging(sites_of(kinds=("resid_pre", "resid_post"), edit_stages=0, max_tokens=32), seed=7)
     head = torch.randn(50, D, generator=generator)
     probes = {name: DeviceProbe(torch.randn(n, D, generator=generator), torch.zeros(n)) for name, n in (("p1", 1), ("p2", 3))}
     outbox = Outbox()
@@ -208,6 +213,8 @@ def test_read_outs_that_can_select_no_later_row_stop_counting_and_their_decode_s
     table, entries = admitted([[lens(0, "last_prompt", 5), probe("p1", [1, -1])], [probe("p2", "all", 3)],
                                [lens(2, "prompt", 4), probe("p1", [6])]], READOUT_SPECS, outbox)
     rows = table.columns.rows(np.array([entry.handle for entry in entries]))
+    prefill = Batch(StepLayout(["r0"], np.array([0, 10]), np.array([0])), rows[:1])
+    assert collector.captured_sites(prefill, table) == {sites[(0, "resid_pre")], sites[(1, "resid_post")]}
     counting = []
     for starts, counts in (([0, 0, 0], [10, 7, 5]), ([10, 7, 5], [1, 1, 1]), ([11, 8, 6], [1, 1, 1]), ([12, 9, 7], [1, 1, 1])):
         step = StepLayout([f"r{i}" for i in range(3)], np.concatenate([[0], np.cumsum(counts)]), np.array(starts))
@@ -221,6 +228,7 @@ def test_read_outs_that_can_select_no_later_row_stop_counting_and_their_decode_s
                                (sites[(1, "resid_post")].staging[[2]] @ probes["p1"].weight.T)[:, 0].numpy(), atol=1e-6)
     a_decodes = Batch(StepLayout(["r0"], np.array([0, 1]), np.array([13])), rows[:1])
     assert decode_key(a_decodes, table.columns, arena=False) is not None
+    assert collector.captured_sites(a_decodes, table) == set()  # A's read-outs read nothing more
     assert decode_key(Batch(a_decodes.step, rows[1:2]), table.columns, arena=False) is None  # B's probe reads on
     sae_table, sae_entries = admitted(saes(), SAE_SPECS, Outbox())  # SAE specs end the same way
     assert sae_table.columns["sae_end"][[e.handle for e in sae_entries]].tolist() == [NO_END, NO_END, PROMPTS[2]]
@@ -231,10 +239,7 @@ def test_probes_at_one_site_over_the_same_rows_take_one_product_and_each_gets_it
     product with their weights side by side and one block to host, whose columns each probe's
     rows get; probe c at that hook over another request's rows takes its own. Every value equals
     rows @ W.T + b."""
-    sites = sites_of(kinds=("resid_post",), edit_stages=0, max_tokens=80)
-    generator = torch.Generator().manual_seed(5)
-    for s in sites.values():
-        s.staging.copy_(torch.randn(s.staging.shape, generator=generator))
+    sites, generator = random_staging(sites_of(kinds=("resid_post",), edit_stages=0, max_tokens=80), seed=5)
     hook, widths = "blocks.1.hook_resid_post", {"a": 2, "b": 3, "c": 1}
     weights = {name: DeviceProbe(torch.randn(n, D, generator=generator), torch.randn(n, generator=generator))
                for name, n in widths.items()}

@@ -121,7 +121,8 @@ class Collector(SpecHandOver):
             sites.add(self.final_norm)
         if (columns["sae"][batch.rows] > 0).any():
             sites.update(self.sae_sites)
-        held = np.unique(columns["readout_sites"][batch.rows])
+        reading = batch.rows[columns["readouts"][batch.rows] > 0]  # retired read-outs read nothing more
+        held = np.unique(columns["readout_sites"][reading])
         for site_set in held[held >= 0].tolist():
             sites.update(self.sites[site] for site in requests.site_sets.sets[site_set])
         return sites
