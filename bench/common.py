@@ -59,9 +59,12 @@ GPU_WORKLOADS = ["512x512+128", "32x512+256"]
 CONFIGS = tuple(sorted(path.stem for path in (BENCH_DIR / "configs").glob("*.json")))  # model shapes for dummy weights
 
 
-def dummy_model_folder(config_name: str) -> str:
-    """A folder with only config.json, for vLLM's load_format="dummy" (random weights)."""
-    folder = Path(tempfile.mkdtemp(prefix=f"capserve-{config_name}-"))
+def dummy_model_folder(config_name: str, folder: Path | None = None) -> str:
+    """A folder with only config.json, for vLLM's load_format="dummy" (random weights): `folder`, or a
+    new temporary one. The path is part of vLLM's compile-cache key, so runs that should share
+    compiled code must pass the same `folder`."""
+    folder = folder or Path(tempfile.mkdtemp(prefix=f"capserve-{config_name}-"))
+    folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(BENCH_DIR / "configs" / f"{config_name}.json", folder / "config.json")
     return str(folder)
 

@@ -47,7 +47,7 @@ def app_config(model: str, port: int, cache_dir: str, device: str) -> dict[str, 
     engine: dict[str, Any] = {"max_model_len": 512, "compile_cache_dir": cache_dir}
     args: dict[str, Any] = {"model": None, "device": device, "num_replicas": 1, "engine": engine}
     if model != "tiny":
-        args["model"] = dummy_model_folder(model)
+        args["model"] = dummy_model_folder(model, Path(cache_dir).parent / f"dummy_{model}")  # one path: one cache key
         engine |= engine_settings(model) | {"load_format": "dummy", "engine_kwargs": {"skip_tokenizer_init": True}}
     return {
         "proxy_location": "HeadOnly",

@@ -50,6 +50,7 @@ from replicas.plans.request import PLAN_KEY, build_wire_plan
 from replicas.engine.gates import resolve_conditions
 from replicas.engine.quantization import check_quantization
 from replicas.engine.results import Finish, add_captured, generation_result
+from replicas.engine.start_turn import gpu_start_turn
 from replicas.readouts.specs import ReadoutCatalog
 from replicas.sae.specs import SaeCatalog
 from replicas.engine.tools import ToolCalling, ToolTurn, template_inputs
@@ -125,7 +126,9 @@ class CaptureEngine:
         owner.write(spill_dir)
         llm = None
         try:
-            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape, asdict(owner), moe)))
+            # the GPU's start turn: vLLM would count a neighbour starting beside it as its own memory
+            async with gpu_start_turn(name) if platform == "cuda" else contextlib.nullcontext():
+                llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape, asdict(owner), moe)))
             engine = cls(llm, config, _model_info(llm, config, moe), name, shape, moe)
             engine._info.attention = await attention_info(llm)
             outside = sorted(set(config.steer_layers or ()) - set(range(engine._info.n_layers)))
