@@ -42,6 +42,7 @@ from bench.bench_quantized import rounds_of
 from bench.bench_side_by_side import PLAIN, PLAIN_AGAIN, OutputTimes, capserve_submit, plain_submit, start_capserve, start_plain, summarize
 from bench.common import GPU_WORKLOADS, VOCAB, WORKLOADS, dummy_model_folder, engine_settings, model_shape, write_result
 from bench.sae_folder import random_sae_folder
+from replicas._vllm import kv_cache_tokens
 
 N_PROBES = 8
 PROBE_OUTPUTS = 2
@@ -86,12 +87,6 @@ def cases(n_layers: int, d_model: int, probes: dict[str, dict[str, str]]) -> dic
     }
 
 
-def kv_tokens(llm: Any) -> int:
-    """Tokens an AsyncLLM's KV cache holds (its engine core reports the blocks at start)."""
-    cache = llm.vllm_config.cache_config
-    return cache.num_gpu_blocks * cache.block_size
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """{"memory": both engines' KV tokens and capserve's device bytes, "results": per workload, per case}"""
     shape = model_shape(args.config)
@@ -113,7 +108,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     times = {id(plain): OutputTimes(plain), id(engine): OutputTimes(engine.llm)}
     results: dict[str, Any] = {}
     try:
-        memory = {"plain_kv_tokens": kv_tokens(plain), "capserve_kv_tokens": kv_tokens(engine.llm),
+        memory = {"plain_kv_tokens": kv_cache_tokens(plain), "capserve_kv_tokens": engine.kv_cache_tokens,
                   "capserve_device_bytes": (await engine.stats())["device_bytes"]}
         for name in args.workloads:
             workload = WORKLOADS[name]

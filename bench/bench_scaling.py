@@ -122,7 +122,13 @@ async def measure(handle: Any, load: int, capacity: int, prompts: list[list[int]
 
 async def run_cases(handle: Any, args: argparse.Namespace, n: int, capacity: int, record: Callable[[], None],
                     run: dict[str, Any]) -> None:
+    from ray import serve
+
     info = await handle.info.remote()
+    replicas = serve.get_deployment_handle("EngineReplica", "capserve")
+    stats = await replicas.broadcast("stats").results_async(timeout_s=60)
+    run["kv_cache_tokens"] = sorted(s["kv_cache_tokens"] for s in stats)  # replicas sharing a GPU: each its share
+    print(f"N={n}: KV cache tokens per replica {run['kv_cache_tokens']}", flush=True)
     workload = PER_REPLICA[args.config]
     prompts = Workload("all", max(args.loads) * capacity, workload.prompt_len, 0).prompt_ids(vocab=VOCAB)
     run["model"] = {"n_layers": info.n_layers, "d_model": info.d_model}

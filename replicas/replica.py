@@ -98,6 +98,11 @@ class _Metrics:
             "capserve_replica_in_flight",
             description="Requests this replica holds (its engine's queue and batch), at its last health check.",
         )
+        self.kv_cache_tokens = metrics.Gauge(
+            "capserve_replica_kv_cache_tokens",
+            description="Tokens the replica's KV cache holds, as vLLM sized it at start (replicas sharing a GPU "
+            "each hold their share); set at each health check.",
+        )
         self.starts = metrics.Counter(
             "capserve_replica_starts",
             description="Replicas whose engine started; summed over a deployment, starts beyond its replica count "
@@ -147,7 +152,7 @@ class EngineReplica:
         self._sink.watch(self._engine.arena_budget)
         self._info: ModelInfo = await self._engine.info()
         self._metrics.starts.inc()
-        logger.info("replica %s serving %s", self.name, self._info.model)
+        logger.info("replica %s serving %s, KV cache %d tokens", self.name, self._info.model, self._engine.kv_cache_tokens)
 
     @classmethod
     async def open(cls, engine_config: Any, engine_cls: Any = None, options: Any = None) -> "EngineReplica":
@@ -224,9 +229,9 @@ class EngineReplica:
     async def stats(self) -> dict[str, Any]:
         """Where this replica's time goes: its worker's step-loop timers (`CaptureEngine.stats`),
         what its results took from the arena (`CaptureEngine.arena_reads`) and its shard sink's
-        totals (shards, bytes, seconds waiting for a slot and writing)."""
+        totals (shards, bytes, seconds waiting for a slot and writing); and its KV cache's tokens."""
         return {"replica": self.name, "engine": await self._engine.stats(), "reads": self._engine.arena_reads,
-                "sink": dict(self._sink.totals)}
+                "sink": dict(self._sink.totals), "kv_cache_tokens": self._engine.kv_cache_tokens}
 
     async def identity(self) -> dict[str, Any]:
         """Who this replica is, with its engine's process ids (tests kill them and check they die)."""
@@ -239,8 +244,10 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising marks the replica unhealthy. It
-        samples the requests in flight for the metrics."""
+        sets the gauges (requests in flight, KV cache tokens): Ray exports only what was set since its
+        last export."""
         self._metrics.in_flight.set(len(self._in_flight))
+        self._metrics.kv_cache_tokens.set(self._engine.kv_cache_tokens)
         try:
             await asyncio.wait_for(self._engine.check_health(), self._options.health_timeout_s)
         except Exception as exc:

@@ -351,6 +351,21 @@ def test_a_stop_string_trims_rows_to_the_tokens_returned(loop, engines):
     assert mean.positions == list(range(len(prompt), fed))
 
 
+def kv_tokens_in(nbytes: int, model: str, dtype_bytes: int) -> int:
+    """Whole tokens of keys and values at every layer that `nbytes` holds (vLLM rounds down to blocks)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model)
+    d_head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return nbytes // (2 * hf.num_hidden_layers * hf.num_key_value_heads * d_head * dtype_bytes)
+
+
+def test_an_engine_reports_the_tokens_its_kv_cache_holds(engines, tiny_models):
+    fits = kv_tokens_in(256 << 20, tiny_models["llama"], dtype_bytes=4)  # conftest: 256 MiB, float32
+    tokens = engines["llama"].kv_cache_tokens
+    assert fits - 256 < tokens <= fits and tokens % 16 == 0, (tokens, fits)
+
+
 def test_dtype_auto_keeps_a_float32_checkpoint_in_float32(loop, engines):
     """The GPT-2 engine runs dtype auto (conftest): its captures above equal HF fp32 only if so."""
     assert engines["gpt2"].config.dtype == "float32"

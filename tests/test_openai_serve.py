@@ -343,6 +343,8 @@ def scrape() -> dict[tuple[str, str], float]:
 
 
 def test_metrics_count_requests_bytes_starts_and_queues_on_ray_s_prometheus_endpoint(handle, client):
+    from ray import serve
+
     from bench.load import wait_until
 
     def moved(key: tuple[str, str], before: dict[tuple[str, str], float], by: float) -> bool:
@@ -361,6 +363,11 @@ def test_metrics_count_requests_bytes_starts_and_queues_on_ray_s_prometheus_endp
     assert after[requests] - before.get(requests, 0) == 3 and after[captured] - before.get(captured, 0) == sent
     assert after[("capserve_replica_starts_total", "EngineReplica")] == 2  # two replicas, neither restarted
     assert after[("capserve_replica_latency_ms_count", "EngineReplica")] >= after[requests]
+    replicas = serve.get_deployment_handle("EngineReplica", "capserve")
+    kv_tokens = [stats["kv_cache_tokens"] for stats in replicas.broadcast("stats").results(timeout_s=60)]
+    assert min(kv_tokens) > 0  # each replica's cache (its exact size: test_engine_capture)
+    kv_gauge = ("capserve_replica_kv_cache_tokens", "EngineReplica")
+    wait_until(lambda: scrape().get(kv_gauge) == sum(kv_tokens), "the KV cache gauge (set at each health check)", timeout_s=60)
     # nothing in flight or queued any more: the gauges are set at each health check, so the first
     # scrape may still show one taken while the last request ran (CI, 2026-12-06); the next ones are 0
     for gauge in (("capserve_replica_in_flight", "EngineReplica"), ("capserve_router_queued", "Router")):

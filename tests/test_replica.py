@@ -21,6 +21,7 @@ OPTIONS = {"cpu_bind": "inherit", "drain_timeout_s": 5, "health_timeout_s": 1}
 
 class FakeEngine:
     started: list["FakeEngine"] = []
+    kv_cache_tokens = 4096
 
     def __init__(self, config: Any, name: str) -> None:
         self.config, self.name = config, name

@@ -94,6 +94,7 @@ from replicas._vllm.runner import (  # noqa: E402
     capserve_options,
     count_with_weights,
     engine_core_pids,
+    kv_cache_tokens,
     max_num_tokens,
     request_extra_args,
     requests_gone,

@@ -102,6 +102,14 @@ def engine_core_pids(llm: Any) -> list[int]:
     return [p.pid for p in processes if p.pid is not None]
 
 
+def kv_cache_tokens(llm: Any) -> int:
+    """Tokens an AsyncLLM's KV cache holds, as its engine core sized it at start."""
+    cache = getattr(getattr(llm, "vllm_config", None), "cache_config", None)
+    if cache is None or not cache.num_gpu_blocks:
+        raise VllmInternalsError("kv_cache_tokens", "the engine's cache_config has no num_gpu_blocks")
+    return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+
 def capserve_options(vllm_config: Any) -> dict[str, Any]:
     """capserve's worker options ride in `additional_config["capserve"]`."""
     return dict((vllm_config.additional_config or {}).get("capserve", {}))

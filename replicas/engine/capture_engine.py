@@ -94,6 +94,7 @@ class CaptureEngine:
         self.capture_failure: str | None = None
         self.progress = Progress()
         self.sweeper: Sweeper | None = None  # of this node's shared memory, set by start()
+        self.kv_cache_tokens = 0  # what vLLM sized the KV cache to, set by start()
 
     @classmethod
     async def start(cls, config: EngineConfig | dict[str, Any], name: str | None = None) -> "CaptureEngine":
@@ -126,8 +127,10 @@ class CaptureEngine:
         owner.write(spill_dir)
         llm = None
         try:
-            # the GPU's start turn: vLLM would count a neighbour starting beside it as its own memory
-            async with gpu_start_turn(name) if platform == "cuda" else contextlib.nullcontext():
+            # vLLM sizing the KV cache by profiling would count a neighbour starting beside it on the
+            # GPU as its own memory; a set kv_cache_memory_bytes is not profiled
+            profiled = platform == "cuda" and config.kv_cache_memory_bytes is None
+            async with gpu_start_turn(name) if profiled else contextlib.nullcontext():
                 llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args(spill_dir, shape, asdict(owner), moe)))
             engine = cls(llm, config, _model_info(llm, config, moe), name, shape, moe)
             engine._info.attention = await attention_info(llm)
@@ -135,6 +138,7 @@ class CaptureEngine:
             if outside:
                 raise ValueError(f"steer_layers: {outside} outside the model's layers 0..{engine._info.n_layers - 1}")
             engine.spill_dir, engine.sweeper = spill_dir, sweeper
+            engine.kv_cache_tokens = _vllm.kv_cache_tokens(llm)
             # map the worker's arena, then delete its name: its memory goes back with the last
             # process that maps it, also when the engine is killed rather than shut down
             engine._arena.attach(arena_path(spill_dir))

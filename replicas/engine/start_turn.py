@@ -5,7 +5,8 @@ forward pass and counts every byte it did not allocate through torch as its own.
 start together on one GPU each count the other's weights and CUDA graphs: on an H100 two 8B-shaped
 engines at gpu_memory_utilization 0.45 got 9,264 and 2,608 KV tokens instead of 148,176, and served
 0.13x one engine's tokens (bench/results/scaling_llama8b_2_per_gpu_together.json). Started in turn,
-each finds the other's memory already taken and sizes its own share from what is left.
+each finds the other's memory already taken and sizes its own share from what is left. An engine
+given `kv_cache_memory_bytes` is not profiled for its cache and takes no turn.
 
 The turn is an exclusive `flock` on a file named after the replica's CUDA_VISIBLE_DEVICES (what
 Ray gives each GPU actor), in the node's temp folder: the kernel releases it when its holder
