@@ -234,25 +234,33 @@ def test_read_outs_that_can_select_no_later_row_stop_counting_and_their_decode_s
     assert sae_table.columns["sae_end"][[e.handle for e in sae_entries]].tolist() == [NO_END, NO_END, PROMPTS[2]]
 
 
-def test_probes_at_one_site_over_the_same_rows_take_one_product_and_each_gets_its_own_columns() -> None:
-    """The collector alone: probes a and b, asked by the same two requests at one hook, take one
-    product with their weights side by side and one block to host, whose columns each probe's
-    rows get; probe c at that hook over another request's rows takes its own. Every value equals
-    rows @ W.T + b."""
+PROBE_WIDTHS = {"a": 2, "b": 3, "c": 1}
+PROBES_ASKED = [["a", "b"], ["b", "a"], ["c"]]  # over 30, 20 and 10 prompt rows at blocks.1.hook_resid_post
+
+
+def collected_probe_sets(failing: tuple[str, ...] | None = None) -> tuple[list, dict, torch.Tensor, list]:
+    """One prefill step of three requests asking PROBES_ASKED through a real collector: each probe
+    set's (names, rows) product, the probes' weights, the staged rows, the requests' buffers. The
+    `failing` set raises as if out of device memory."""
     sites, generator = random_staging(sites_of(kinds=("resid_post",), edit_stages=0, max_tokens=80), seed=5)
-    hook, widths = "blocks.1.hook_resid_post", {"a": 2, "b": 3, "c": 1}
     weights = {name: DeviceProbe(torch.randn(n, D, generator=generator), torch.randn(n, generator=generator))
-               for name, n in widths.items()}
+               for name, n in PROBE_WIDTHS.items()}
     readouts = DeviceReadouts(Unembed(norm=lambda x: x, logits=lambda x: x), probes=weights)
     products = []
     probe_set = readouts.probe_set
-    readouts.probe_set = lambda names, x: (products.append((names, x.shape[0])), probe_set(names, x))[1]
+
+    def recorded(names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
+        products.append((names, x.shape[0]))
+        if names == failing:
+            raise RuntimeError("out of device memory (a stand-in)")
+        return probe_set(names, x)
+
+    readouts.probe_set = recorded
     collector = Collector(None, sites, 50, CPU, Outbox(), readouts=readouts)
-    catalog = ReadoutCatalog(None, {name: ProbeFacts(name, "", hook, HookPoint(1, "resid_post"), n, D, True)
-                                    for name, n in widths.items()})
-    asked = [["a", "b"], ["b", "a"], ["c"]]
+    catalog = ReadoutCatalog(None, {name: ProbeFacts(name, "", "blocks.1.hook_resid_post", HookPoint(1, "resid_post"), n, D, True)
+                                    for name, n in PROBE_WIDTHS.items()})
     plans = [wire_plan({"readouts": [{"kind": "probe", "probe": name} for name in names]}, n, readouts=catalog)
-             for names, n in zip(asked, (30, 20, 10))]
+             for names, n in zip(PROBES_ASKED, (30, 20, 10))]
     buffers = [RequestBuffers.for_plan(plan, D, 50, None, collector.outbox.probes) for plan in plans]
     table = RequestTable()
     for i, (plan, buffer) in enumerate(zip(plans, buffers)):
@@ -260,13 +268,30 @@ def test_probes_at_one_site_over_the_same_rows_take_one_product_and_each_gets_it
     collector.collect(step_of(table, [30, 20, 10]), table)
     for step in collector.outbox.steps:
         step.file()
+    return products, weights, sites[(1, "resid_post")].staging, buffers
+
+
+def test_probes_at_one_site_over_the_same_rows_take_one_product_and_each_gets_its_own_columns() -> None:
+    """The collector alone: probes a and b, asked by the same two requests at one hook, take one
+    product with their weights side by side and one block to host, whose columns each probe's
+    rows get; probe c at that hook over another request's rows takes its own. Every value equals
+    rows @ W.T + b."""
+    products, weights, staging, buffers = collected_probe_sets()
     assert products == [(("a", "b"), 50), (("c",), 10)]
-    staging = sites[(1, "resid_post")].staging
-    for buffer, names, (lo, hi) in zip(buffers, asked, ((0, 30), (30, 50), (50, 60))):
+    for buffer, names, (lo, hi) in zip(buffers, PROBES_ASKED, ((0, 30), (30, 50), (50, 60))):
         assert buffer.error is None
         for rows, name in zip(buffer.readouts, names):
             want = staging[lo:hi] @ weights[name].weight.T + weights[name].bias
             np.testing.assert_allclose(rows.store.read(rows.plan.region), want.numpy(), atol=1e-5, err_msg=name)
+
+
+def test_a_probe_set_that_fails_on_the_device_fails_its_requests_and_no_other() -> None:
+    products, weights, staging, buffers = collected_probe_sets(failing=("a", "b"))
+    assert products == [(("a", "b"), 50), (("c",), 10)]
+    assert [buffer.error for buffer in buffers] == ["read-out failed on the device: out of device memory (a stand-in)"] * 2 + [None]
+    c_rows = buffers[2].readouts[0]
+    want = staging[50:60] @ weights["c"].weight.T + weights["c"].bias
+    np.testing.assert_allclose(c_rows.store.read(c_rows.plan.region), want.numpy(), atol=1e-5)
 
 
 # ---------------------------------------------------------------- a probe's rows in one store

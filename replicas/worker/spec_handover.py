@@ -50,6 +50,12 @@ class SpecHandOver:
     ) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
+    def _hand_over_chunked(
+        self, kind: str, selection: Selection, shape: tuple[int, int, int], dtype: torch.dtype, row_bytes: int,
+        compute: Callable[[int, int], torch.Tensor],
+    ) -> None:
+        raise NotImplementedError
+
     def _queue(self, kind: str, host: torch.Tensor, event: Any, selection: Selection) -> None:
         raise NotImplementedError
 
@@ -99,8 +105,7 @@ class SpecHandOver:
             def packed(lo: int, hi: int, sae: DeviceSae = sae, rows: torch.Tensor = step_rows) -> torch.Tensor:
                 return encode_packed(sae, staging.index_select(0, rows[lo:hi]), k_max, error).unsqueeze(0)
 
-            host, event = self._to_host((1, len(selection.rows), width), torch.int32, row_bytes(sae, d_model), packed)
-            self._queue("sae", host, event, selection)
+            self._hand_over_chunked("sae", selection, (1, len(selection.rows), width), torch.int32, row_bytes(sae, d_model), packed)
 
     def _hand_over_readouts(self, requests: RequestTable, chunks: list[np.ndarray]) -> None:
         """Lenses and probes of the step's rows: per lens group (a site and translator), and per
@@ -125,12 +130,9 @@ class SpecHandOver:
             return self.readouts.lens(staging.index_select(0, rows[lo:hi]), plan.translator, normed, width).unsqueeze(0)
 
         per_row = lens_row_bytes(staging.shape[1], self.vocab_size, staging.element_size())
-        try:
-            host, event = self._to_host((1, len(rows), 2 * width), torch.int32, per_row, computed)
-        except RuntimeError as exc:  # e.g. out of device memory: these requests fail, the engine goes on
-            fail_all([entry.buffers for entry in selection.requests], f"read-out failed on the device: {exc}")
-            return
-        self._queue("readout", host, event, selection)
+        copied = self._read_out_to_host(selection, (1, len(rows), 2 * width), torch.int32, per_row, computed)
+        if copied is not None:
+            self._queue("readout", *copied, selection)
 
     def _hand_over_probes(self, batch: list[tuple[ReadoutPlan, Selection]]) -> None:
         """Probes at one site over the same rows: [1, rows, their widths side by side], one slice
@@ -143,13 +145,24 @@ class SpecHandOver:
         def computed(lo: int, hi: int) -> torch.Tensor:
             return self.readouts.probe_set(names, staging.index_select(0, rows[lo:hi])).unsqueeze(0)
 
-        try:
-            host, event = self._to_host((1, len(rows), sum(widths)), torch.float32,
+        # the same rows are the same requests' rows: on failure, the first selection's requests are all of them
+        copied = self._read_out_to_host(batch[0][1], (1, len(rows), sum(widths)), torch.float32,
                                         probe_row_bytes(staging.shape[1], sum(widths)), computed)
-        except RuntimeError as exc:  # as for a lens
-            # the same rows are the same requests' rows
-            fail_all([entry.buffers for entry in batch[0][1].requests], f"read-out failed on the device: {exc}")
+        if copied is None:
             return
+        host, event = copied
         ends = np.cumsum(widths).tolist()
         for (_, selection), start, end in zip(batch, [0, *ends], ends):
             self._queue("readout", host[:, :, start:end], event, selection)
+
+    def _read_out_to_host(
+        self, selection: Selection, shape: tuple[int, int, int], dtype: torch.dtype, row_bytes: int,
+        compute: Callable[[int, int], torch.Tensor],
+    ) -> tuple[torch.Tensor, Any] | None:
+        """`_to_host` for read-outs; None once a failure (e.g. out of device memory) has failed the
+        selection's requests: they fail, the engine goes on."""
+        try:
+            return self._to_host(shape, dtype, row_bytes, compute)
+        except RuntimeError as exc:
+            fail_all([entry.buffers for entry in selection.requests], f"read-out failed on the device: {exc}")
+            return None
