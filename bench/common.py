@@ -247,7 +247,15 @@ def environment() -> dict[str, Any]:
         ).stdout.strip().splitlines()
     except (OSError, subprocess.CalledProcessError):
         info["gpu"] = []
+    if info["gpu"]:
+        info["cuda_mps"] = cuda_mps_running()
     return info
+
+
+def cuda_mps_running() -> bool:
+    """Whether an MPS control daemon listens (its pipe in CUDA_MPS_PIPE_DIRECTORY): the processes
+    started under it share the GPU's SMs at once rather than taking turns on it."""
+    return (Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control").exists()
 
 
 def kernel_memory_flags() -> list[str]:

@@ -29,6 +29,7 @@ from ray.serve import Application
 
 from deploy.balance import router_class_path
 from deploy.config import AppArgs, is_loopback, router_config
+from replicas.engine.config import EngineConfig
 from replicas.replica import TINY_PREFIX, EngineReplica, ReplicaOptions
 
 Device = Literal["cpu", "gpu"]
@@ -67,6 +68,7 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
             "num_gpus": 1 / args.replicas_per_gpu if device == "gpu" else 0,
             "num_cpus": args.replica_num_cpus if args.replica_num_cpus is not None else 1,
             "resources": args.replica_resources,
+            **compile_cache_env(engine_config),
         },
         health_check_period_s=args.health_check_period_s,
         health_check_timeout_s=args.health_check_timeout_s,
@@ -83,6 +85,16 @@ def build_app(args: AppArgs | dict[str, Any] | None = None) -> Application:
         logging_config=LOGGING,
     )
     return router.bind(replicas.bind(engine_config, None, replica_options), router_config(args))
+
+
+def compile_cache_env(config: EngineConfig) -> dict[str, Any]:
+    """The replica actor's runtime_env for `compile_cache_dir`. vLLM writes the compiled graphs to
+    compilation_config.cache_dir but its AOT-compiled model (the traced forward, tens of seconds to
+    redo on an 8B model) under VLLM_CACHE_ROOT, by default ~/.cache/vllm on the replica's node: both
+    go in the one folder, so a replacement that finds the folder, on any node, skips both."""
+    if config.compile_cache_dir is None:
+        return {}
+    return {"runtime_env": {"env_vars": {"VLLM_CACHE_ROOT": config.compile_cache_dir}}}
 
 
 def warn_if_open(args: AppArgs) -> bool:

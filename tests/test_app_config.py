@@ -155,6 +155,18 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_build_app():
     assert config["http_options"]["request_timeout_s"] > args.routing.request_timeout_s
 
 
+def test_compile_cache_dir_also_holds_vllms_aot_compiled_model():
+    """vLLM 0.26 on an H100 saved the AOT-compiled model under ~/.cache/vllm although compile_cache_dir
+    was set (bench/results/readiness_h100_llama8b.json's log): replicas given the folder get it as
+    VLLM_CACHE_ROOT too, and replicas without one keep vLLM's default and no runtime_env of their own."""
+    cached = build_app({"device": "cpu", "engine": {"compile_cache_dir": "/cache/capserve"}})
+    replicas = cached._bound_deployment.init_args[0]._bound_deployment
+    assert replicas.ray_actor_options["runtime_env"] == {"env_vars": {"VLLM_CACHE_ROOT": "/cache/capserve"}}
+    assert replicas.init_args[0].engine_args()["compilation_config"]["cache_dir"] == "/cache/capserve"
+    plain = build_app({"device": "cpu"})._bound_deployment.init_args[0]._bound_deployment
+    assert "runtime_env" not in plain.ray_actor_options
+
+
 def test_replicas_share_a_gpu_with_an_equal_part_of_its_memory(monkeypatch):
     """replicas_per_gpu: 2 places two replicas on each GPU, each with half a GPU and under half its
     memory; a share that would not fit beside the others is refused naming both fields."""

@@ -56,6 +56,8 @@
 #            replacement of its killed replica (~8; READINESS_ARGS="--models tiny": ~5)
 #   scaling2 bench_scaling, the 8B shape, one replica holding the GPU against two sharing it (replicas_per_gpu 2),
 #            plain generate at 1x load (~7)
+#   scaling2mps scaling2 under an MPS control daemon (started, then stopped), so that the two engines' kernels
+#            run at once rather than taking turns; results in mps/ (~7)
 #   moe      the architecture matrix's mixture-of-experts rows (Qwen3-MoE, Mixtral: router hooks under CUDA graphs),
 #            engines without Inductor (~3)
 # Copy /tmp/results/* to $OUT in each poll (bench/gpu/poll.sh), so a lost machine loses nothing already
@@ -121,6 +123,9 @@ for part in "$@"; do
     readiness) step readiness python3 -m bench.gpu.readiness ${READINESS_ARGS:-} --out "$R" > "$R/readiness.log" 2>&1 ;;
     scaling2) step scaling2 python3 -m bench.bench_scaling --config llama8b --replicas 1 2 --replicas-per-gpu 2 --cases generate \
                 --loads 1 --out "$R" > "$R/scaling2.log" 2>&1 ;;
+    scaling2mps) step scaling2mps bash -c 'nvidia-cuda-mps-control -d || exit 5
+                   python3 -m bench.bench_scaling --config llama8b --replicas 1 2 --replicas-per-gpu 2 --cases generate --loads 1 --out "$1"
+                   rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc' _ "$R/mps" > "$R/scaling2mps.log" 2>&1 ;;
     moe) step moe env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_architectures.py -k "qwen3_moe or mixtral" \
            -q -p no:cacheprovider --junitxml="$R/gpu_suite_moe.xml" > "$R/moe.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;

@@ -102,9 +102,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA graphs on GPU.")
     load_format: str = "auto"
     compile_cache_dir: str | None = Field(
-        None, description="Folder of vLLM's torch.compile cache (default: vLLM's, under ~/.cache/vllm). Replicas of "
-        "the same model and settings share its entries, restarts included; a folder on a shared disk lets a "
-        "replacement replica on another node skip compilation too.",
+        None, description="Folder of vLLM's torch.compile cache (default: vLLM's, under ~/.cache/vllm), also given "
+        "to Serve replicas as VLLM_CACHE_ROOT, where vLLM keeps its AOT-compiled model. Replicas of the same model "
+        "and settings share its entries, restarts included; a folder on a shared disk lets a replacement replica "
+        "on another node skip compilation too.",
     )
     quantization: str | None = Field(
         None, description="Have vLLM quantize the float checkpoint as it loads it: fp8 on the GPU, fp8_per_block on "
