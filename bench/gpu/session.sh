@@ -64,6 +64,7 @@
 # measured; issue the polls back to back, with nothing between them.
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 R=${RESULTS:-/tmp/results}; mkdir -p "$R"
+SCALING2=(python3 -m bench.bench_scaling --config llama8b --replicas 1 2 --replicas-per-gpu 2 --cases generate --loads 1)
 step() { echo "$(date +%T) start $1" >> "$R/progress"; shift; "$@"; echo "$(date +%T) rc=$?" >> "$R/progress"; }
 for part in "$@"; do
   case $part in
@@ -121,11 +122,10 @@ for part in "$@"; do
                 ${R_KV_GIB:+--kv-cache-gib $R_KV_GIB} --out "$R" > "$R/readouts.log" 2>&1 ;;
     faults2) step faults2 python3 -m bench.gpu.faults --config llama8b --replicas-per-gpu 2 ${FAULTS_ARGS:-} --out "$R" > "$R/faults2.log" 2>&1 ;;
     readiness) step readiness python3 -m bench.gpu.readiness ${READINESS_ARGS:-} --out "$R" > "$R/readiness.log" 2>&1 ;;
-    scaling2) step scaling2 python3 -m bench.bench_scaling --config llama8b --replicas 1 2 --replicas-per-gpu 2 --cases generate \
-                --loads 1 --out "$R" > "$R/scaling2.log" 2>&1 ;;
+    scaling2) step scaling2 "${SCALING2[@]}" --out "$R" > "$R/scaling2.log" 2>&1 ;;
     scaling2mps) step scaling2mps bash -c 'nvidia-cuda-mps-control -d || exit 5
-                   python3 -m bench.bench_scaling --config llama8b --replicas 1 2 --replicas-per-gpu 2 --cases generate --loads 1 --out "$1"
-                   rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc' _ "$R/mps" > "$R/scaling2mps.log" 2>&1 ;;
+                   "$@"; rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc' _ "${SCALING2[@]}" --out "$R/mps" \
+                   > "$R/scaling2mps.log" 2>&1 ;;
     moe) step moe env CAPSERVE_QUICK_GPU_ENGINES=1 python3 -m pytest tests/test_architectures.py -k "qwen3_moe or mixtral" \
            -q -p no:cacheprovider --junitxml="$R/gpu_suite_moe.xml" > "$R/moe.log" 2>&1 ;;
     *) echo "unknown part $part" >> "$R/progress" ;;
